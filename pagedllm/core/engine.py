@@ -1,0 +1,324 @@
+"""LLMEngine (add_request / step / abort) and the AsyncLLMEngine the server uses.
+
+`step()` reads as the story of one iteration: schedule -> run the model -> update
+requests -> detokenize and check stop strings -> emit outputs. A request with n > 1
+becomes n sequences sharing one prompt (the prefix cache shares its blocks); their
+outputs are gathered back into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from pagedllm.core import envs
+from pagedllm.core.block_manager import BlockManager
+from pagedllm.core.config import EngineConfig, default_model
+from pagedllm.core.detokenizer import IncrementalDetokenizer
+from pagedllm.core.loader import open_model
+from pagedllm.core.plugins import get_registry
+from pagedllm.core.request import (
+    CompletionOutput,
+    Logprob,
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+)
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.worker import Worker
+
+logger = logging.getLogger("pagedllm")
+
+
+@dataclass
+class EngineStats:
+    """Counters the server's /metrics and the tests read."""
+
+    num_steps: int = 0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+    max_seqs_in_step: int = 0
+    seqs_per_step: list[int] = field(default_factory=list)  # last 1000 steps
+
+
+@dataclass
+class _Parent:
+    """A user request: its n sequences and how to report them."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    detokenizers: dict[str, IncrementalDetokenizer]
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        envs.warn_deprecated()
+        self.config = config
+        registry = get_registry()
+        path = config.model.model or default_model()
+        self.model_path = path
+        source = open_model(path, config.model.load_format, registry, config.plugin_options,
+                            tokenizer=config.model.tokenizer)
+        self.tokenizer = source.tokenizer
+        self.hf_config = source.hf_config
+        model_max = getattr(source.hf_config, "max_position_embeddings", None) or 2048
+        self.max_model_len = config.model.max_model_len or model_max
+        if self.max_model_len > model_max:
+            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's "
+                             f"max_position_embeddings={model_max}; lower --max-model-len")
+        budget = config.max_num_batched_tokens(self.max_model_len)
+        self.worker = Worker(config, source, registry, self.max_model_len, budget)
+        self.block_manager = BlockManager(self.worker.budget.num_blocks, config.cache.block_size,
+                                          config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs, budget,
+                                   self.max_model_len, config.scheduler.enable_chunked_prefill)
+        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
+        if self.eos_token_id is None:
+            self.eos_token_id = getattr(self.hf_config, "eos_token_id", None)
+        if isinstance(self.eos_token_id, list):
+            self.eos_token_id = self.eos_token_id[0]
+        self.vocab_size = source.hf_config.vocab_size
+        self.parents: dict[str, _Parent] = {}
+        self.child_to_parent: dict[str, str] = {}
+        self.stats = EngineStats()
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------------ requests
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(prompt_token_ids) > self.max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, longer than max_model_len="
+                             f"{self.max_model_len}; shorten it or raise --max-model-len")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+
+    def add_request(self, request_id: str | None, prompt: str | None, params: SamplingParams,
+                    prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a request; returns its id. Raises ValueError on bad input (nothing queued)."""
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.parents:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if prompt is None:
+                raise ValueError("give a prompt or prompt_token_ids")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        self.validate_prompt(prompt_token_ids)
+        children = []
+        for i in range(params.n):
+            child_params = params if params.n == 1 else params.clone(
+                n=1, seed=None if params.seed is None else params.seed + i)
+            child_id = request_id if params.n == 1 else f"{i}_{request_id}"
+            children.append(Request(child_id, prompt_token_ids, child_params, self.eos_token_id, prompt))
+        parent = _Parent(request_id, prompt, prompt_token_ids, children, {
+            c.request_id: IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
+                                                 params.stop, params.include_stop_str_in_output)
+            for c in children})
+        self.parents[request_id] = parent
+        for child in children:
+            self.child_to_parent[child.request_id] = request_id
+            self.scheduler.add_request(child)
+        self.stats.num_prompt_tokens += len(prompt_token_ids) * params.n
+        return request_id
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request and free its blocks; returns its final output (or None if unknown)."""
+        parent = self.parents.get(request_id)
+        if parent is None:
+            return None
+        for child in parent.children:
+            self.scheduler.abort(child.request_id)
+        return self._finish_parent(parent)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.parents)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.worker.execute(out)
+        touched = self.scheduler.update_from_output(out, result.sampled)
+        self._record(len(out.scheduled), sum(len(t) for t in result.sampled.values()))
+        changed: dict[str, _Parent] = {}
+        for req in touched:
+            parent = self.parents[self.child_to_parent[req.request_id]]
+            new_tokens = result.sampled[req.request_id]
+            self._append_logprobs(req, new_tokens, result.logprobs.get(req.request_id))
+            matched = parent.detokenizers[req.request_id].add_tokens(new_tokens)
+            if matched is not None:
+                req.stop_reason = matched
+                self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            changed[parent.request_id] = parent
+        outputs = []
+        for parent in changed.values():
+            if all(c.is_finished for c in parent.children):
+                outputs.append(self._finish_parent(parent))
+            else:
+                outputs.append(self._output(parent))
+        return outputs
+
+    def _record(self, num_seqs: int, num_tokens: int) -> None:
+        s = self.stats
+        s.num_steps += 1
+        s.num_generation_tokens += num_tokens
+        s.max_seqs_in_step = max(s.max_seqs_in_step, num_seqs)
+        s.seqs_per_step.append(num_seqs)
+        del s.seqs_per_step[:-1000]
+
+    def _append_logprobs(self, req: Request, tokens: list[int], logprobs: list[Any] | None) -> None:
+        if req.logprobs is None or not logprobs:
+            return
+        for token, entry in zip(tokens, logprobs):
+            chosen, rank, top_ids, top_vals = entry
+            req.cumulative_logprob += chosen
+            record = {token: Logprob(chosen, rank, self._token_text(token))}
+            for r, (tid, val) in enumerate(zip(top_ids, top_vals), 1):
+                record.setdefault(tid, Logprob(val, r, self._token_text(tid)))
+            req.logprobs.append(record)
+
+    def _token_text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _output(self, parent: _Parent) -> RequestOutput:
+        completions = []
+        for i, child in enumerate(parent.children):
+            finished = child.is_finished
+            completions.append(CompletionOutput(
+                index=i, text=parent.detokenizers[child.request_id].output_text(finished),
+                token_ids=list(child.output_token_ids),
+                cumulative_logprob=child.cumulative_logprob if child.logprobs is not None else None,
+                logprobs=child.logprobs, finish_reason=child.status.value if finished else None,
+                stop_reason=child.stop_reason))
+        first = parent.children[0]
+        return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
+                             finished=all(c.is_finished for c in parent.children),
+                             num_cached_tokens=first.num_cached_tokens, metrics=first.metrics)
+
+    def _finish_parent(self, parent: _Parent) -> RequestOutput:
+        output = self._output(parent)
+        self.parents.pop(parent.request_id, None)
+        for child in parent.children:
+            self.child_to_parent.pop(child.request_id, None)
+            self.worker.forget(child.request_id)
+        return output
+
+
+class AsyncLLMEngine:
+    """Runs `LLMEngine.step()` in one background thread; coroutines stream outputs.
+
+    The event loop never waits on the model: adds and aborts go through a queue the
+    engine thread drains between steps. An error in a step fails the requests it hit
+    (their streams raise), and the loop goes on serving the rest.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._wake = threading.Event()
+        self._stopped = False
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
+        return cls(LLMEngine(config))
+
+    async def generate(self, prompt: str | None, params: SamplingParams, request_id: str | None = None,
+                       prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
+        """Yield cumulative RequestOutputs until the request finishes. Leaving the
+        iterator early (client gone) aborts the request and frees its blocks."""
+        request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
+        if prompt_token_ids is None:
+            prompt_token_ids = self.engine.tokenizer.encode(prompt)
+        self.engine.validate_prompt(prompt_token_ids)
+        loop = asyncio.get_running_loop()
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (loop, stream)
+        self._commands.put(("add", (request_id, prompt, params, prompt_token_ids)))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    break
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    def _deliver(self, request_id: str, item: Any) -> None:
+        target = self._streams.get(request_id)
+        if target is not None:
+            loop, stream = target
+            loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                try:
+                    self.engine.add_request(*arg)
+                except Exception as exc:  # bad input reaches only its own stream
+                    self._deliver(arg[0], exc)
+            else:
+                self.engine.abort(arg)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            self._apply_commands()
+            if not self.engine.has_unfinished_requests():
+                self._wake.wait(timeout=0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:
+                logger.exception("engine step failed; failing the requests in flight")
+                for request_id in list(self.engine.parents):
+                    self.engine.abort(request_id)
+                    self._deliver(request_id, RuntimeError(f"engine error: {exc}"))
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)

@@ -1,0 +1,170 @@
+"""The plugin manager: loads every `pagedllm.plugins` entry point and answers lookups.
+
+Built-ins and third-party packages load through the same entry-point path;
+`PAGEDLLM_PLUGINS` (alias `VLLM_PLUGINS`) limits which entry points load. Every failed
+lookup names what exists here, and a failed capability check names the reasons.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+from typing import Any
+
+import pluggy
+
+from pagedllm.core import envs, hookspecs
+from pagedllm.core.contracts import (
+    AttentionBackend,
+    AttentionSpec,
+    CausalLM,
+    CheckpointFormat,
+    QuantConfig,
+    SpecProposer,
+)
+
+logger = logging.getLogger("pagedllm")
+ENTRY_POINT_GROUP = "pagedllm.plugins"
+
+# vLLM spellings accepted as aliases of our backend names.
+ATTENTION_ALIASES = {"TRITON_ATTN": "TRITON", "TORCH_SDPA": "TORCH", "FLASH_ATTN_VLLM_V1": "FLASH_ATTN"}
+
+
+class PluginRegistry:
+    """The merged name → class tables of every loaded plugin."""
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self.pm = pm
+        self.attention_backends: dict[str, type[AttentionBackend]] = self._merge(
+            pm.hook.pagedllm_attention_backends(), "attention backend")
+        self.quant_methods: dict[str, type[QuantConfig]] = self._merge(
+            pm.hook.pagedllm_quant_methods(), "quantization method")
+        self.spec_methods: dict[str, type[SpecProposer]] = self._merge(
+            pm.hook.pagedllm_spec_methods(), "speculative method")
+        self.model_architectures: dict[str, type[CausalLM]] = self._merge(
+            pm.hook.pagedllm_model_architectures(), "model architecture")
+        self.checkpoint_formats: dict[str, type[CheckpointFormat]] = self._merge(
+            pm.hook.pagedllm_checkpoint_formats(), "checkpoint format")
+
+    @staticmethod
+    def _merge(results: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for table in results:
+            for name, cls in (table or {}).items():
+                if name in merged and merged[name] is not cls:
+                    raise ValueError(f"two plugins define the {kind} {name!r}: {merged[name]} and {cls}")
+                merged[name] = cls
+        return merged
+
+    # ------------------------------------------------------------------ lookups
+
+    def model_class(self, architectures: list[str]) -> type[CausalLM]:
+        for arch in architectures:
+            if arch in self.model_architectures:
+                return self.model_architectures[arch]
+        raise ValueError(
+            f"model architecture {architectures} is not supported. Supported here: "
+            f"{', '.join(sorted(self.model_architectures))}. A plugin adds one by returning "
+            "{'<HF architecture name>': YourCausalLM} from the pagedllm_model_architectures hook "
+            f"and exposing it through the {ENTRY_POINT_GROUP!r} entry-point group."
+        )
+
+    def quant_config(self, name: str, config: dict[str, Any]) -> QuantConfig:
+        key = name.lower()
+        if key not in self.quant_methods:
+            raise ValueError(
+                f"unknown quantization {name!r}; available here: "
+                f"{', '.join(sorted(self.quant_methods)) or '(none)'}"
+            )
+        return self.quant_methods[key].from_config(config)
+
+    def spec_method(self, name: str) -> type[SpecProposer]:
+        if name not in self.spec_methods:
+            raise ValueError(
+                f"unknown speculative method {name!r}; available here: "
+                f"{', '.join(sorted(self.spec_methods)) or '(none)'}"
+            )
+        return self.spec_methods[name]
+
+    def checkpoint_format(self, load_format: str, path: str) -> CheckpointFormat | None:
+        """The format plugin for `path`, or None when the core's HF-directory loader applies."""
+        if load_format in ("auto", "safetensors", "hf", "pt"):
+            if load_format == "auto":
+                for fmt in self.checkpoint_formats.values():
+                    if fmt.detect(path):
+                        return fmt(path)
+            return None
+        if load_format not in self.checkpoint_formats:
+            raise ValueError(
+                f"unknown load format {load_format!r}; available here: auto, safetensors, "
+                + ", ".join(sorted(self.checkpoint_formats))
+            )
+        return self.checkpoint_formats[load_format](path)
+
+    def attention_backend(self, requested: str | None, spec: AttentionSpec) -> type[AttentionBackend]:
+        """The backend to use: the requested one (which must be able to run), else the
+        runnable backend with the highest priority for this device."""
+        reasons = {name: cls.check(spec) for name, cls in self.attention_backends.items()}
+        runnable = sorted(name for name, r in reasons.items() if not r)
+        if requested:
+            name = ATTENTION_ALIASES.get(requested.upper(), requested.upper())
+            if name not in self.attention_backends:
+                raise ValueError(
+                    f"unknown attention backend {requested!r}; known here: "
+                    f"{', '.join(sorted(self.attention_backends))} (runnable: {', '.join(runnable) or 'none'})"
+                )
+            if reasons[name]:
+                raise ValueError(
+                    f"attention backend {name} cannot run here: {'; '.join(reasons[name])}. "
+                    f"Backends that can: {', '.join(runnable) or 'none'}"
+                )
+            return self.attention_backends[name]
+        if not runnable:
+            details = "; ".join(f"{n}: {', '.join(r)}" for n, r in reasons.items())
+            raise ValueError(f"no attention backend can run here ({details})")
+        device = spec.device.type
+        best = max(runnable, key=lambda n: self.attention_backends[n].priority.get(device, -1))
+        return self.attention_backends[best]
+
+
+def _allowed_names() -> set[str] | None:
+    value = envs.get("PAGEDLLM_PLUGINS")
+    if value is None or not value.strip():
+        return None
+    return {n.strip() for n in value.split(",") if n.strip()}
+
+
+def build_plugin_manager() -> pluggy.PluginManager:
+    """A fresh manager with every allowed entry point loaded (a broken one is logged, not fatal)."""
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    allowed = _allowed_names()
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if allowed is not None and ep.name not in allowed:
+            continue
+        if pm.has_plugin(ep.name):
+            continue
+        try:
+            plugin = ep.load()
+        except Exception:
+            logger.exception("failed to load pagedllm plugin %r (%s)", ep.name, ep.value)
+            continue
+        pm.register(plugin, name=ep.name)
+    if allowed is not None:
+        missing = allowed - {name for name, _ in pm.list_name_plugin()}
+        if missing:
+            logger.warning("PAGEDLLM_PLUGINS names plugins that are not installed: %s", sorted(missing))
+    pm.check_pending()
+    return pm
+
+
+@functools.lru_cache(maxsize=4)
+def _registry_for(allowed_key: str | None) -> PluginRegistry:
+    return PluginRegistry(build_plugin_manager())
+
+
+def get_registry() -> PluginRegistry:
+    """The registry for the current PAGEDLLM_PLUGINS setting (cached per setting)."""
+    return _registry_for(envs.get("PAGEDLLM_PLUGINS"))
+

@@ -1,0 +1,177 @@
+"""Request state and the public request/response types (vLLM's names and fields).
+
+A request's tokens are `prompt_token_ids + output_token_ids`; the scheduler only
+advances `num_computed_tokens` towards `num_tokens` (plus speculative tokens). A
+request is in exactly one of: waiting, running, finished.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class SamplingParams:
+    """How to sample one request's completion; validated at construction."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: no top-k
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            ("n", self.n >= 1, ">= 1"),
+            ("temperature", self.temperature >= 0.0, ">= 0"),
+            ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+            ("top_k", self.top_k >= 0, "-1, 0 (off) or >= 1"),
+            ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+            ("max_tokens", self.max_tokens is None or self.max_tokens >= 1, ">= 1"),
+            ("min_tokens", self.min_tokens >= 0, ">= 0"),
+            ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+            ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0.0, "> 0"),
+            ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0"),
+            ("prompt_logprobs", self.prompt_logprobs is None, "unset (not supported yet)"),
+        ]
+        for name, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name} must be {allowed}, got {getattr(self, name)!r}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"SamplingParams.min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
+        if any(not s for s in self.stop):
+            raise ValueError("SamplingParams.stop must not contain empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    def clone(self, **changes: Any) -> "SamplingParams":
+        values = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        values.update(changes)
+        return SamplingParams(**values)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated (a request with n > 1 becomes n of these)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    spec_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
+    cumulative_logprob: float = 0.0
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        if self.params.logprobs is not None:
+            self.logprobs = []
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)

@@ -1,0 +1,232 @@
+"""The model runner: owns the model, the KV cache and the sampler.
+
+Each step it flattens the scheduled requests into one token stream (vectorized, no
+per-token Python), lets the attention backend build its metadata once, runs the model
+once, and computes logits only for rows that produce a token.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from pagedllm.core.config import EngineConfig
+from pagedllm.core.contracts import (
+    AttentionContext,
+    AttentionSpec,
+    BatchLayout,
+    CausalLM,
+    ModelContext,
+    kv_cache_torch_dtype,
+)
+from pagedllm.core.loader import ModelSource
+from pagedllm.core.memory import GiB, KVBudget, cpu_kv_bytes, plan_kv_cache
+from pagedllm.core.plugins import PluginRegistry
+from pagedllm.core.request import Request
+from pagedllm.core.sampler import Sampler, SamplerOutput
+from pagedllm.core.scheduler import SchedulerOutput
+
+logger = logging.getLogger("pagedllm")
+
+DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+          "float": torch.float32, "float32": torch.float32}
+
+
+def resolve_dtype(requested: str, hf_config: Any, device: str) -> torch.dtype:
+    if requested != "auto":
+        return DTYPES[requested]
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = DTYPES.get(dtype, torch.float32)
+    if device == "cpu" and dtype == torch.float16:
+        logger.info("float16 is slow on the CPU; using bfloat16 (pass --dtype to override)")
+        return torch.bfloat16
+    return dtype
+
+
+@dataclass
+class StepResult:
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[Any]]
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: ModelSource, registry: PluginRegistry,
+                 max_model_len: int, max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.device = torch.device(config.device.resolved_device())
+        self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device.type)
+        self.block_size = config.cache.block_size
+        self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        torch.manual_seed(config.model.seed)
+
+        model_cls = registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
+        quant = None
+        if config.model.quantization or source.quantization:
+            name = config.model.quantization or source.quantization
+            quant = registry.quant_config(name, {**source.quantization_config, **config.plugin_options})
+            reasons = quant.check(self.device, self.dtype)
+            if reasons:
+                raise ValueError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
+        kv_dtype_name = config.cache.kv_cache_dtype
+        self.kv_dtype = kv_cache_torch_dtype(kv_dtype_name, self.dtype)
+        probe = self._spec_for(model_cls, source.hf_config)
+        requested, decided_by = _requested_backend(config)
+        self.backend = registry.attention_backend(requested, probe)
+        logger.info("attention backend %s (%s)", self.backend.name, decided_by)
+        if kv_dtype_name != "auto" and not self.backend.supports_fp8_kv_cache:
+            raise ValueError(f"attention backend {self.backend.name} does not support kv_cache_dtype="
+                             f"{kv_dtype_name}; use one that does or --kv-cache-dtype auto")
+
+        ctx = ModelContext(hf_config=source.hf_config, dtype=self.dtype, device=self.device,
+                           attention_backend=self.backend, kv_cache_dtype=kv_dtype_name,
+                           block_size=self.block_size, quant_config=quant,
+                           extra=dict(config.plugin_options))
+        start = time.perf_counter()
+        with torch.device(self.device):
+            self.model: CausalLM = model_cls(ctx)
+        self.model.load_weights(self._cast(source.weights()))
+        self.model.eval()
+        logger.info("loaded %s weights in %.1fs", type(self.model).__name__, time.perf_counter() - start)
+        spec = self.model.kv_cache_spec()
+        self.attn_spec = AttentionSpec(num_heads=probe.num_heads, num_kv_heads=spec.num_kv_heads,
+                                       head_size=spec.head_size, dtype=self.dtype,
+                                       kv_cache_dtype=kv_dtype_name, block_size=self.block_size,
+                                       device=self.device)
+        self.builder = self.backend.builder_cls()(self.attn_spec)
+        self.budget = self._plan_memory()
+        shape = self.backend.kv_cache_shape(self.budget.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.sampler = Sampler(config.model.seed, self.device)
+
+    # ------------------------------------------------------------------ set-up helpers
+
+    def _cast(self, weights):
+        for name, tensor in weights:
+            if tensor.is_floating_point() and tensor.dtype != self.dtype:
+                tensor = tensor.to(self.dtype)
+            yield name, tensor
+
+    def _spec_for(self, model_cls, hf_config) -> AttentionSpec:
+        num_heads = hf_config.num_attention_heads
+        head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
+        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
+        return AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
+                             dtype=self.dtype, kv_cache_dtype=self.config.cache.kv_cache_dtype,
+                             block_size=self.block_size, device=self.device)
+
+    def _plan_memory(self) -> KVBudget:
+        spec = self.model.kv_cache_spec()
+        bytes_per_token = spec.bytes_per_token(torch.empty((), dtype=self.kv_dtype).element_size())
+        cache = self.config.cache
+        if self.device.type == "cuda":
+            available, source = self._profile_cuda(bytes_per_token)
+        else:
+            available, source = cpu_kv_bytes(cache.kv_cache_memory)
+        budget = plan_kv_cache(available, source, bytes_per_token, self.block_size, self.max_model_len,
+                               self.config.scheduler.max_num_seqs, self.device.type == "cuda")
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %.2f GiB, %d bytes/token, dtype %s)",
+                    budget.num_blocks, self.block_size, budget.num_tokens, source,
+                    budget.num_blocks * self.block_size * bytes_per_token / GiB, bytes_per_token,
+                    str(self.kv_dtype).replace("torch.", ""))
+        return budget
+
+    def _profile_cuda(self, bytes_per_token: int) -> tuple[int, str]:
+        """Run one maximal step with a throw-away cache to learn the activation peak."""
+        cache = self.config.cache
+        if cache.kv_cache_memory is not None:
+            return cache.kv_cache_memory, "kv_cache_memory"
+        num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
+        num_blocks = -(-num_tokens // self.block_size)
+        spec = self.model.kv_cache_spec()
+        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+        scratch = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        layout = self._layout([list(range(num_tokens))], [0], [num_tokens], [list(range(num_blocks))])
+        with torch.inference_mode():
+            hidden = self.model(layout.input_ids, layout.positions,
+                                AttentionContext(self.builder.build(layout), scratch))
+            self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs):])
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        in_use_by_others = total - free - torch.cuda.memory_reserved()
+        available = int(total * cache.gpu_memory_utilization) - (peak - scratch_bytes) - max(0, in_use_by_others)
+        return available, (f"gpu_memory_utilization={cache.gpu_memory_utilization} of {total / GiB:.1f} GiB, "
+                           f"peak {(peak - scratch_bytes) / GiB:.2f} GiB for weights and activations")
+
+    # ------------------------------------------------------------------ one step
+
+    def _layout(self, token_ids: list[list[int]], computed: list[int], num_new: list[int],
+                block_ids: list[list[int]]) -> BatchLayout:
+        bs = self.block_size
+        num_new_np = np.asarray(num_new, dtype=np.int64)
+        computed_np = np.asarray(computed, dtype=np.int64)
+        qsl = np.zeros(len(num_new) + 1, dtype=np.int64)
+        np.cumsum(num_new_np, out=qsl[1:])
+        total = int(qsl[-1])
+        req_of_token = np.repeat(np.arange(len(num_new)), num_new_np)
+        positions = np.arange(total, dtype=np.int64) - np.repeat(qsl[:-1] - computed_np, num_new_np)
+        max_blocks = max(len(b) for b in block_ids)
+        tables = np.zeros((len(block_ids), max_blocks), dtype=np.int64)
+        for i, ids in enumerate(block_ids):
+            tables[i, :len(ids)] = ids
+        slots = tables[req_of_token, positions // bs] * bs + positions % bs
+        input_ids = np.fromiter((t for ids in token_ids for t in ids), dtype=np.int64, count=total)
+        seq_lens = computed_np + num_new_np
+        dev = self.device
+        qsl_t = torch.from_numpy(qsl.astype(np.int32))
+        seq_t = torch.from_numpy(seq_lens.astype(np.int32))
+        return BatchLayout(
+            input_ids=torch.from_numpy(input_ids).to(dev), positions=torch.from_numpy(positions).to(dev),
+            slot_mapping=torch.from_numpy(slots).to(dev), block_tables=torch.from_numpy(tables.astype(np.int32)).to(dev),
+            query_start_loc=qsl_t.to(dev), seq_lens=seq_t.to(dev), query_start_loc_cpu=qsl_t,
+            seq_lens_cpu=seq_t, max_query_len=int(num_new_np.max()), max_seq_len=int(seq_lens.max()),
+            block_size=bs)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepResult:
+        entries = out.scheduled
+        tokens = []
+        for e in entries:
+            req = e.request
+            ids = req.all_token_ids + req.spec_token_ids if req.spec_token_ids else req.all_token_ids
+            tokens.append(ids[e.num_computed_tokens:e.num_computed_tokens + e.num_new_tokens])
+        layout = self._layout(tokens, [e.num_computed_tokens for e in entries],
+                              [e.num_new_tokens for e in entries], [list(e.block_ids) for e in entries])
+        attn = AttentionContext(self.builder.build(layout), self.kv_caches)
+        hidden = self.model(layout.input_ids, layout.positions, attn)
+        sampling = [i for i, e in enumerate(entries) if e.samples]
+        if not sampling:
+            return StepResult({}, {})
+        rows = (layout.query_start_loc_cpu[1:][sampling] - 1).to(self.device)
+        logits = self.model.compute_logits(hidden[rows])
+        requests: list[Request] = [entries[i].request for i in sampling]
+        result: SamplerOutput = self.sampler(logits, requests)
+        sampled = {r.request_id: [t] for r, t in zip(requests, result.token_ids)}
+        logprobs = {r.request_id: [lp] for r, lp in zip(requests, result.logprobs) if lp is not None}
+        return StepResult(sampled, logprobs)
+
+    def forget(self, request_id: str) -> None:
+        self.sampler.forget(request_id)
+
+
+def _requested_backend(config: EngineConfig) -> tuple[str | None, str]:
+    from pagedllm.core import envs
+
+    if config.device.attention_backend:
+        return config.device.attention_backend, "from --attention-backend"
+    value = envs.get("PAGEDLLM_ATTENTION_BACKEND")
+    if value:
+        return value, f"from {envs.source('PAGEDLLM_ATTENTION_BACKEND')}"
+    return None, "auto-selected: the fastest that can run here"

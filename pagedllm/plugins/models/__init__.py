@@ -1,0 +1,27 @@
+"""Built-in model architectures, keyed by Hugging Face architecture name.
+
+The model modules import only torch and the core, so registering them is cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from pagedllm import hookimpl
+
+_ARCHITECTURES = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
+    "MistralForCausalLM": ("llama", "MistralForCausalLM"),
+    "Qwen2ForCausalLM": ("qwen", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("qwen", "Qwen3ForCausalLM"),
+}
+
+
+def _load(arch: str):
+    module, cls = _ARCHITECTURES[arch]
+    return getattr(importlib.import_module(f"pagedllm.plugins.models.{module}"), cls)
+
+
+@hookimpl
+def pagedllm_model_architectures():
+    return {arch: _load(arch) for arch in _ARCHITECTURES}

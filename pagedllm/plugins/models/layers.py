@@ -1,0 +1,196 @@
+"""Shared building blocks for model plugins: linears with a LinearMethod, norms, rotary
+embeddings and the attention layer that calls the selected backend.
+
+A linear layer never asks whether it is quantized: it asks its QuantConfig for a
+LinearMethod and falls back to `UnquantizedLinearMethod`. Fused layers (qkv, gate_up)
+record their sub-matrix sizes, and each parameter knows how to load one shard
+(`weight_loader`), so checkpoint mappings stay data on the model class.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.core.contracts import (
+    AttentionContext,
+    AttentionSpec,
+    LinearMethod,
+    ModelContext,
+    QuantConfig,
+)
+
+
+def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
+    """Default loader: copy the whole tensor, or shard `shard` of a fused output dim."""
+    loader = getattr(param, "weight_loader", None)
+    if loader is not None:
+        loader(param, loaded, shard)
+        return
+    if shard is None:
+        if param.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
+        param.data.copy_(loaded)
+        return
+    offsets = param.output_offsets  # type: ignore[attr-defined]
+    start, end = offsets[shard], offsets[shard + 1]
+    if end - start != loaded.shape[0]:
+        raise ValueError(f"shard {shard} has {loaded.shape[0]} rows, expected {end - start}")
+    param.data[start:end].copy_(loaded)
+
+
+def _offsets(sizes: Sequence[int]) -> list[int]:
+    out = [0]
+    for s in sizes:
+        out.append(out[-1] + s)
+    return out
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """A dense weight [sum(output_sizes), input_size] in the compute dtype."""
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+        weight.output_offsets = _offsets(output_sizes)  # type: ignore[attr-defined]
+        layer.register_parameter("weight", weight)
+
+    def apply(self, layer, x, bias):
+        return F.linear(x, layer.weight, bias)
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b) where W may be several fused sub-matrices (q/k/v, gate/up)."""
+
+    def __init__(self, input_size: int, output_sizes: Sequence[int] | int, *, bias: bool = False,
+                 quant_config: QuantConfig | None = None, prefix: str = "",
+                 params_dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.input_size = input_size
+        self.prefix = prefix
+        method = quant_config.linear_method(prefix) if quant_config is not None else None
+        self.method: LinearMethod = method or UnquantizedLinearMethod()
+        self.method.create_weights(self, input_size, self.output_sizes, params_dtype)
+        if bias:
+            b = nn.Parameter(torch.zeros(sum(self.output_sizes), dtype=params_dtype), requires_grad=False)
+            b.output_offsets = _offsets(self.output_sizes)  # type: ignore[attr-defined]
+            self.bias = b
+        else:
+            self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.apply(self, x, self.bias)
+
+
+class RMSNorm(nn.Module):
+    """RMS normalisation computed in float32; `offset=1` gives Gemma's (1 + w) form."""
+
+    def __init__(self, size: int, eps: float, offset: float = 0.0, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.offset = offset
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if residual is not None:
+            x = x + residual
+            residual = x
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        out = (xf * (self.weight.float() + self.offset)).to(x.dtype)
+        return out if residual is None else (out, residual)
+
+
+def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
+    """(rope_theta, scaling dict) from either the transformers>=5 `rope_parameters`
+    field or the older `rope_theta` + `rope_scaling` pair."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
+    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
+    scaling.update(params)
+    return float(theta), scaling
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies after the checkpoint's rope scaling, and the position divisor."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
+    if kind == "default":
+        return inv_freq.float(), 1.0
+    if kind == "linear":
+        return inv_freq.float(), float(scaling["factor"])
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        return torch.where(medium, smoothed, scaled).float(), 1.0
+    raise NotImplementedError(f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate halves), as Hugging Face Llama applies it."""
+
+    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
+        super().__init__()
+        inv_freq, divisor = rope_inv_freq(head_dim, theta, scaling)
+        t = torch.arange(max_position, dtype=torch.float32) / divisor
+        freqs = torch.outer(t, inv_freq)
+        self.register_buffer("cos", freqs.cos(), persistent=False)
+        self.register_buffer("sin", freqs.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, H, D], k [T, KVH, D] -> rotated copies in the input dtype."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Calls the selected backend's impl with this layer's slice of the KV cache."""
+
+    def __init__(self, context: ModelContext, layer_idx: int, num_heads: int, num_kv_heads: int,
+                 head_dim: int, scale: float, sliding_window: int | None = None,
+                 logits_soft_cap: float | None = None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_dim,
+                             dtype=context.dtype, kv_cache_dtype=context.kv_cache_dtype,
+                             block_size=context.block_size, device=context.device)
+        self.impl = context.attention_backend.impl_cls()(spec, scale, sliding_window, logits_soft_cap)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        out = self.impl.forward(q, k, v, attn.kv_caches[self.layer_idx], attn.metadata)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+
+class VocabEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
+def process_weights_after_loading(model: nn.Module) -> None:
+    """Give every linear method its one chance to repack loaded weights."""
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.method.process_after_loading(module)

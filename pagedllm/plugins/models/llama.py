@@ -1,0 +1,199 @@
+"""Llama and the architectures that share its shape (Llama 2/3/3.1, SmolLM2, Mistral).
+
+Reads top-down: config facts -> attention -> MLP -> decoder layer -> model ->
+checkpoint mapping. Qwen2 and Qwen3 subclass this with their two differences
+(qkv bias; per-head q/k RMSNorm), expressed as class attributes, not branches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm.core.contracts import AttentionContext, CausalLM, KVCacheSpec, ModelContext
+from pagedllm.plugins.models.layers import (
+    Attention,
+    Linear,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabEmbedding,
+    load_shard,
+    process_weights_after_loading,
+    rope_parameters,
+)
+
+
+def head_dim_of(cfg: Any) -> int:
+    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = head_dim_of(cfg)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
+                               quant_config=ctx.quant_config, prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype)
+        self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_out_bias", False),
+                             quant_config=ctx.quant_config, prefix=f"{prefix}.o_proj", params_dtype=ctx.dtype)
+        if qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)
+        self.qk_norm = qk_norm
+        theta, scaling = rope_parameters(cfg)
+        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
+        self.attn = Attention(ctx, layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
+                              scale=self.head_dim ** -0.5)
+        self.sizes = (q_size, kv_size, kv_size)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, attn))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, ctx: ModelContext, prefix: str) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, quant_config=ctx.quant_config,
+                                   prefix=f"{prefix}.gate_up_proj", params_dtype=ctx.dtype)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, quant_config=ctx.quant_config,
+                                prefix=f"{prefix}.down_proj", params_dtype=ctx.dtype)
+        act = getattr(cfg, "hidden_act", "silu")
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama family (silu only)")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.self_attn = LlamaAttention(ctx, layer_idx, f"{prefix}.self_attn", qkv_bias, qk_norm)
+        self.mlp = LlamaMLP(ctx, f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
+
+    def forward(self, positions, x, residual, attn):
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, ctx: ModelContext, qkv_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        cfg = ctx.hf_config
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(ctx, i, f"model.layers.{i}", qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
+
+    def forward(self, input_ids, positions, attn):
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, attn)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class LlamaForCausalLM(CausalLM):
+    # checkpoint sub-module name -> (our fused module, shard index)
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    qkv_bias = False
+    qk_norm = False
+
+    def __init__(self, context: ModelContext) -> None:
+        super().__init__(context)
+        cfg = context.hf_config
+        bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        self.model = LlamaModel(context, qkv_bias=bias, qk_norm=self.qk_norm)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        if not self.tie_word_embeddings:
+            self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, context.dtype)
+
+    def forward(self, input_ids, positions, attn):
+        return self.model(input_ids, positions, attn)
+
+    def compute_logits(self, hidden_states):
+        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        return F.linear(hidden_states, head.weight).float()
+
+    def kv_cache_spec(self) -> KVCacheSpec:
+        cfg = self.context.hf_config
+        return KVCacheSpec(num_layers=cfg.num_hidden_layers,
+                           num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+                           head_size=head_dim_of(cfg))
+
+    def _target(self, name: str) -> tuple[str, int | None]:
+        parts = name.split(".")
+        for i, part in enumerate(parts):
+            if part in self.packed_modules_mapping:
+                fused, shard = self.packed_modules_mapping[part]
+                return ".".join(parts[:i] + [fused] + parts[i + 1:]), shard
+        return name, None
+
+    def _set_kv_scale(self, name: str, tensor: torch.Tensor) -> None:
+        layer_idx = int(name.split("model.layers.")[1].split(".")[0])
+        impl = self.model.layers[layer_idx].self_attn.attn.impl
+        setattr(impl, name.rsplit(".", 1)[1], float(tensor.float().max()))
+
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if "rotary_emb.inv_freq" in name:
+                continue
+            if name == "lm_head.weight" and self.tie_word_embeddings:
+                continue
+            if name.endswith((".k_scale", ".v_scale")):  # FP8 KV-cache scales
+                self._set_kv_scale(name, tensor)
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
+            load_shard(params[target], tensor, shard)
+            loaded.add(target)
+        missing = set(params) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing weights for: {sorted(missing)[:8]}"
+                             f"{' …' if len(missing) > 8 else ''}")
+        process_weights_after_loading(self)
+        return loaded
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    def __init__(self, context: ModelContext) -> None:
+        window = getattr(context.hf_config, "sliding_window", None)
+        if window and window < context.hf_config.max_position_embeddings:
+            raise NotImplementedError(
+                f"Mistral with sliding_window={window} is not supported yet; "
+                "only checkpoints without a sliding window (sliding_window: null) load")
+        super().__init__(context)

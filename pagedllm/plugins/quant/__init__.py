@@ -1,0 +1,1 @@
+"""Built-in quant plugins (registered through the pagedllm.plugins entry point 'quant')."""
