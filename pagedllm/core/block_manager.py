@@ -119,6 +119,7 @@ class BlockManager:
         changed, when the pool is too small."""
         if not self.can_allocate(req, num_new_tokens, computed):
             return False
+        num_new_blocks = self.num_blocks_to_allocate(req, num_new_tokens, computed)
         table = self.req_blocks.setdefault(req.request_id, [])
         if computed.blocks:
             self.num_hit_tokens += len(computed.blocks) * self.block_size
@@ -127,7 +128,7 @@ class BlockManager:
                 del self.free_blocks[block.block_id]
             block.ref_count += 1
             table.append(block)
-        for _ in range(self.num_blocks_to_allocate(req, num_new_tokens)):
+        for _ in range(num_new_blocks):
             table.append(self._take_free_block())
         return True
 

@@ -23,11 +23,7 @@ class ScheduledRequest:
     num_new_tokens: int  # includes len(spec_token_ids) when speculating
     num_computed_tokens: int  # tokens already in the cache before this step
     block_ids: tuple[int, ...]
-
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the end of the request's tokens (so a token is sampled)."""
-        return self.num_computed_tokens + self.num_new_tokens >= self.request.num_tokens
+    samples: bool  # this step reaches the end of the request's tokens, so a token is sampled
 
 
 @dataclass(frozen=True)
@@ -112,7 +108,8 @@ class Scheduler:
 
     def _entry(self, req: Request, num_new: int) -> ScheduledRequest:
         return ScheduledRequest(req, num_new, req.num_computed_tokens,
-                                tuple(self.block_manager.block_ids(req.request_id)))
+                                tuple(self.block_manager.block_ids(req.request_id)),
+                                samples=req.num_computed_tokens + num_new >= req.num_tokens)
 
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and send it back to the head of the queue (recompute)."""

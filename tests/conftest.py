@@ -1,0 +1,88 @@
+"""Shared factories: tiny random Hugging Face models (fixed seed) with a real tokenizer."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Hello world! Paris is the capital of France.",
+    "def add(a, b):\n    return a + b\n",
+    "Numbers 0123456789 and symbols #$%&*()[]{}.",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+ARCHS = {
+    "llama": dict(cls="LlamaForCausalLM", cfg="LlamaConfig", tie_word_embeddings=True),
+    "qwen2": dict(cls="Qwen2ForCausalLM", cfg="Qwen2Config", tie_word_embeddings=False),
+    "qwen3": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config", tie_word_embeddings=False, head_dim=32),
+}
+
+
+def save_tokenizer(path: Path, vocab_size: int = 384) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(CORPUS * 10, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(path)
+
+
+def build_tiny_model(path: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """A random model (fixed seed) saved as config.json + safetensors + tokenizer files."""
+    import transformers
+
+    spec = dict(ARCHS[arch])
+    model_cls = getattr(transformers, spec.pop("cls"))
+    config_cls = getattr(transformers, spec.pop("cfg"))
+    settings = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                    initializer_range=0.3, bos_token_id=0, eos_token_id=1, pad_token_id=1)
+    settings.update(spec)
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**settings)).eval()
+    model.save_pretrained(path)
+    save_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Callable[..., Path]:
+    """Factory: tiny_model_dir("qwen3") -> path of a cached random model of that architecture."""
+    cache: dict[tuple, Path] = {}
+
+    def make(arch: str = "llama", **overrides) -> Path:
+        key = (arch, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = build_tiny_model(tmp_path_factory.mktemp(f"tiny-{arch}"), arch, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> str:
+    from pagedllm.core.config import default_model
+
+    try:
+        return default_model()
+    except ValueError as exc:
+        pytest.fail(str(exc))
