@@ -26,6 +26,10 @@ CHAT_TEMPLATE = (
 ARCHS = {
     "llama": dict(cls="LlamaForCausalLM", cfg="LlamaConfig", tie_word_embeddings=True),
     "qwen2": dict(cls="Qwen2ForCausalLM", cfg="Qwen2Config", tie_word_embeddings=False),
+    "mistral": dict(cls="MistralForCausalLM", cfg="MistralConfig", tie_word_embeddings=False, sliding_window=None),
+    "llama3-rope": dict(cls="LlamaForCausalLM", cfg="LlamaConfig", tie_word_embeddings=False,
+                        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
     "qwen3": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config", tie_word_embeddings=False, head_dim=32),
 }
 

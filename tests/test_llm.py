@@ -25,18 +25,25 @@ def make_prompts(seed: int = 0, lens=PROMPT_LENS, shared_prefix: int = 0) -> lis
 
 
 def hf_greedy(model_dir, prompts, num_tokens=NUM_TOKENS):
-    """(tokens, per-step log-softmax rows) from transformers, one prompt at a time."""
+    """(tokens, per-step log-softmax rows) from transformers, one prompt at a time.
+
+    A plain argmax loop over the KV-cached forward: `generate(min_new_tokens=...)` would
+    mask EOS, which is not what `ignore_eos` means.
+    """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     results = []
     with torch.no_grad():
         for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=num_tokens, min_new_tokens=num_tokens,
-                                 do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                 pad_token_id=1)
-            tokens = out.sequences[0, len(ids):].tolist()
-            logprobs = [torch.log_softmax(s[0].float(), -1) for s in out.logits]
+            out = model(torch.tensor([ids]), use_cache=True)
+            tokens, logprobs = [], []
+            for _ in range(num_tokens):
+                row = torch.log_softmax(out.logits[0, -1].float(), -1)
+                token = int(row.argmax())
+                tokens.append(token)
+                logprobs.append(row)
+                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
             results.append((tokens, logprobs))
     return results
 
@@ -71,7 +78,7 @@ def new_llm(model_dir, **kwargs) -> LLM:
     return LLM(str(model_dir), dtype="float32", device="cpu", **kwargs)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"])
 def test_greedy_parity(tiny_model_dir, arch):
     model_dir = tiny_model_dir(arch)
     prompts = make_prompts()
