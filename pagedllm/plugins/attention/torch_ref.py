@@ -23,39 +23,50 @@ from pagedllm.core.contracts import (
 
 
 @dataclass
+class AttentionGroup:
+    """Rows of q that attend together: the cache slots they read and who may see what."""
+
+    rows: torch.Tensor | slice  # token rows of q / out
+    slots: torch.Tensor  # [B, K] flat cache slots to read (padding reads slot 0, masked)
+    q_pos: torch.Tensor  # [B, Q] absolute position of each query
+    mask: torch.Tensor  # [B, Q, K] causal and length mask (True = attend)
+
+
+@dataclass
 class TorchAttentionMetadata:
     layout: BatchLayout
-    decode_rows: torch.Tensor  # token rows (== request index order) of pure-decode requests
-    decode_reqs: torch.Tensor  # request indices of those rows
-    decode_block_tables: torch.Tensor  # [num_decodes, blocks needed]
-    decode_seq_lens: torch.Tensor  # [num_decodes]
-    prefills: list[tuple[int, int, int, int]]  # (req index, token start, token end, seq_len)
+    groups: list[AttentionGroup]  # all decodes as one group, then one group per prefill chunk
+
+
+def _group(layout: BatchLayout, reqs: list[int], rows: torch.Tensor | slice, q_len: int) -> AttentionGroup:
+    device = layout.block_tables.device
+    bs = layout.block_size
+    seq_lens = layout.seq_lens[reqs].long()
+    max_len = int(layout.seq_lens_cpu[reqs].max())
+    k_pos = torch.arange(max_len, device=device)
+    tables = layout.block_tables[reqs].long()
+    slots = tables.gather(1, (k_pos // bs).expand(len(reqs), -1)) * bs + k_pos % bs
+    q_pos = (seq_lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
+    return AttentionGroup(rows, slots, q_pos, mask)
 
 
 class TorchMetadataBuilder(AttentionMetadataBuilder):
+    """Gather indices and masks are built once per step and shared by every layer."""
+
     def build(self, layout: BatchLayout) -> TorchAttentionMetadata:
         qsl = layout.query_start_loc_cpu.tolist()
-        seq_lens = layout.seq_lens_cpu.tolist()
-        decode_reqs, prefills = [], []
-        for i, seq_len in enumerate(seq_lens):
+        decodes, groups = [], []
+        for i in range(layout.num_reqs):
             start, end = qsl[i], qsl[i + 1]
             if end - start == 1:
-                decode_reqs.append(i)
+                decodes.append(i)
             elif end > start:
-                prefills.append((i, start, end, seq_len))
-        device = layout.input_ids.device
-        reqs = torch.tensor(decode_reqs, dtype=torch.long)
-        rows = layout.query_start_loc_cpu[reqs].long() if decode_reqs else reqs
-        dec_lens = layout.seq_lens_cpu[reqs] if decode_reqs else reqs
-        max_blocks = int((dec_lens.max().item() + layout.block_size - 1) // layout.block_size) if decode_reqs else 0
-        return TorchAttentionMetadata(
-            layout=layout,
-            decode_rows=rows.to(device),
-            decode_reqs=reqs.to(device),
-            decode_block_tables=layout.block_tables[reqs.to(device), :max_blocks].long(),
-            decode_seq_lens=dec_lens.to(device),
-            prefills=prefills,
-        )
+                groups.append(_group(layout, [i], slice(start, end), end - start))
+        if decodes:
+            rows = layout.query_start_loc_cpu[decodes].long().to(layout.input_ids.device)
+            groups.insert(0, _group(layout, decodes, rows, 1))
+        return TorchAttentionMetadata(layout, groups)
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
@@ -72,15 +83,19 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 class TorchAttentionImpl(AttentionImpl):
-    def _read(self, cache: torch.Tensor, block_ids: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-        x = cache[block_ids]  # [..., num_blocks, block_size, kvh, D]
-        x = x.flatten(-4, -3) if x.dim() == 5 else x.flatten(0, 1)
+    def _read(self, cache: torch.Tensor, slots: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """[B, K, kvh, D] keys or values at `slots`, dequantized when the cache is FP8."""
+        x = cache.view(-1, *cache.shape[-2:])[slots]
         if cache.dtype in KV_CACHE_TORCH_DTYPES.values():
             return x.to(torch.float32).mul_(scale).to(dtype)
         return x
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [B, Q, H, D], k/v [B, K, KVH, D], mask [B, Q, K] (True = attend) -> [B, Q, H, D]."""
+        """q [B, Q, H, D], k/v [B, K, KVH, D], mask [B, Q, K] (True = attend) -> [B, Q, H, D].
+
+        Grouped-query attention without repeating K/V: query heads are viewed as
+        [KVH, group] so each K/V head is read once per group.
+        """
         b, nq, h, d = q.shape
         kvh = k.shape[2]
         group = h // kvh
@@ -94,35 +109,18 @@ class TorchAttentionImpl(AttentionImpl):
         out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2).float())  # [B, KVH, G, Q, D]
         return out.permute(0, 3, 1, 2, 4).reshape(b, nq, h, d).to(q.dtype)
 
-    def _mask(self, q_pos: torch.Tensor, k_len: int, seq_lens: torch.Tensor) -> torch.Tensor:
-        """q_pos [B, Q] absolute positions; keys 0..k_len-1 -> [B, Q, K]."""
-        k_pos = torch.arange(k_len, device=q_pos.device)
-        mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
-        if self.sliding_window:
-            mask &= k_pos[None, None, :] > q_pos[:, :, None] - self.sliding_window
-        return mask
-
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata):
-        layout = metadata.layout
-        write_kv(kv_cache, k, v, layout.slot_mapping, self.k_scale, self.v_scale)
+        write_kv(kv_cache, k, v, metadata.layout.slot_mapping, self.k_scale, self.v_scale)
         out = torch.empty_like(q)
-        if metadata.decode_rows.numel():
-            blocks = metadata.decode_block_tables
-            keys = self._read(kv_cache[0], blocks, self.k_scale, q.dtype)
-            values = self._read(kv_cache[1], blocks, self.v_scale, q.dtype)
-            seq_lens = metadata.decode_seq_lens
-            mask = self._mask((seq_lens - 1)[:, None], keys.shape[1], seq_lens)
-            qd = q[metadata.decode_rows].unsqueeze(1)
-            out[metadata.decode_rows] = self._attend(qd, keys, values, mask).squeeze(1)
-        bs = layout.block_size
-        for req, start, end, seq_len in metadata.prefills:
-            blocks = layout.block_tables[req, : (seq_len + bs - 1) // bs].long()
-            keys = self._read(kv_cache[0], blocks, self.k_scale, q.dtype)[None]
-            values = self._read(kv_cache[1], blocks, self.v_scale, q.dtype)[None]
-            q_pos = torch.arange(seq_len - (end - start), seq_len, device=q.device)[None]
-            lens = torch.tensor([seq_len], device=q.device)
-            mask = self._mask(q_pos, keys.shape[1], lens)
-            out[start:end] = self._attend(q[start:end][None], keys, values, mask)[0]
+        for g in metadata.groups:
+            keys = self._read(kv_cache[0], g.slots, self.k_scale, q.dtype)
+            values = self._read(kv_cache[1], g.slots, self.v_scale, q.dtype)
+            mask = g.mask
+            if self.sliding_window:
+                k_pos = torch.arange(g.slots.shape[1], device=q.device)
+                mask = mask & (k_pos[None, None, :] > g.q_pos[:, :, None] - self.sliding_window)
+            qg = q[g.rows].view(g.q_pos.shape[0], g.q_pos.shape[1], *q.shape[1:])
+            out[g.rows] = self._attend(qg, keys, values, mask).view(-1, *q.shape[1:])
         return out
 
 

@@ -138,7 +138,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), as Hugging Face Llama applies it."""
+    """Neox-style rotary embedding (rotate halves), as Hugging Face Llama applies it.
+
+    One instance serves every layer: the model looks up cos/sin for the step's
+    positions once (`lookup`) and each layer only rotates (`apply`).
+    """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
         super().__init__()
@@ -148,16 +152,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, KVH, D] -> rotated copies in the input dtype."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, D/2] (float32) for the step's positions."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
-    def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Rotate x [T, H, D] in float32; returns x's dtype."""
+        cos, sin = cos_sin
         half = x.shape[-1] // 2
-        x1, x2 = x[..., :half].float(), x[..., half:].float()
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 

@@ -46,20 +46,19 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)
         self.qk_norm = qk_norm
-        theta, scaling = rope_parameters(cfg)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
         self.attn = Attention(ctx, layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
                               scale=self.head_dim ** -0.5)
         self.sizes = (q_size, kv_size, kv_size)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
+                attn: AttentionContext) -> torch.Tensor:
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
         return self.o_proj(self.attn(q, k, v, attn))
 
 
@@ -89,13 +88,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
 
-    def forward(self, positions, x, residual, attn):
+    def forward(self, rope, x, residual, attn):
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(positions, x, attn)
+        x = self.self_attn(rope, x, attn)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -109,11 +108,14 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(ctx, i, f"model.layers.{i}", qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
+        theta, scaling = rope_parameters(cfg)
+        self.rotary = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, theta, scaling)
 
     def forward(self, input_ids, positions, attn):
         x, residual = self.embed_tokens(input_ids), None
+        rope = self.rotary.lookup(positions)
         for layer in self.layers:
-            x, residual = layer(positions, x, residual, attn)
+            x, residual = layer(rope, x, residual, attn)
         x, _ = self.norm(x, residual)
         return x
 
