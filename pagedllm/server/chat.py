@@ -1,0 +1,226 @@
+"""POST /v1/chat/completions: chat template, generation, and the reasoning split.
+
+The conversation is rendered to text with the chat template (`--chat-template`, else
+the tokenizer's) and tokenized without adding special tokens again, as vLLM does.
+With `--reasoning-parser`, the text before `</think>` goes to `reasoning_content`,
+in whole responses and in stream deltas alike.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from contextlib import aclosing
+from typing import TYPE_CHECKING, Any, AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from pagedllm.core.request import CompletionOutput, RequestOutput
+from pagedllm.server.errors import APIError, handle_errors
+from pagedllm.server.protocol import (
+    MAX_LOGPROBS,
+    Fields,
+    check_model,
+    clamp_logprob,
+    prepare,
+    read_json,
+    sampling_fields,
+    stream_options,
+    top_entries,
+    usage,
+)
+from pagedllm.server.reasoning import ReasoningDelta
+from pagedllm.server.streaming import (
+    DONE,
+    ClientDisconnected,
+    SSEResponse,
+    collect,
+    generate_all,
+    merge,
+    sse,
+    sse_error,
+    until_disconnected,
+)
+
+if TYPE_CHECKING:
+    from pagedllm.server.app import ServerState
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+REFUSED_CHAT_FIELDS = {
+    "tools": "tool calling is not built", "tool_choice": "tool calling is not built",
+    "functions": "tool calling is not built",
+    # A template is code: one from a request could loop long enough to stall every stream.
+    "chat_template": "the server's template is used; set it at start-up with --chat-template",
+}
+
+
+def parse_messages(value: Any) -> list[dict[str, Any]]:
+    """OpenAI messages -> the plain {"role", "content": str} dicts a chat template expects.
+
+    Text content parts are joined with newlines (vLLM's choice); other part types
+    (images, audio) are rejected since no multimodal model is supported.
+    """
+    if not isinstance(value, list) or not value:
+        raise APIError("'messages' must be a non-empty array of messages", param="messages", code="invalid_type")
+    messages = []
+    for i, msg in enumerate(value):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise APIError(f"'{where}' must be an object", param="messages", code="invalid_type")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise APIError(f"'{where}.role' must be one of {', '.join(ROLES)}, got {role!r}", param="messages",
+                           code="invalid_value")
+        content = msg.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise APIError(f"'{where}.content' parts must be {{\"type\": \"text\", \"text\": ...}}; "
+                                   f"got a {kind!r} part (only text is supported)", param="messages",
+                                   code="invalid_value")
+                texts.append(part["text"])
+            content = "\n".join(texts)
+        elif content is None and role == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise APIError(f"'{where}.content' must be a string or an array of text parts", param="messages",
+                           code="invalid_type")
+        entry = {"role": role, "content": content}
+        if isinstance(msg.get("name"), str):
+            entry["name"] = msg["name"]
+        messages.append(entry)
+    return messages
+
+
+def render_chat(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    """The conversation as prompt text and token ids; 400 when the template cannot render it."""
+    tokenizer = state.core.tokenizer
+    template = state.chat_template
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise APIError("this model has no chat template; start the server with --chat-template FILE "
+                       "(or use /v1/completions)", param="messages", code="no_chat_template")
+    try:
+        text = tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=add_generation_prompt,
+                                             continue_final_message=continue_final_message, **(kwargs or {}))
+    except Exception as exc:  # jinja errors (raise_exception in templates), bad kwargs
+        raise APIError(f"the chat template could not render these messages: {exc}", param="messages",
+                       code="invalid_value") from None
+    return text, tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_logprobs(out: CompletionOutput, start: int, k: int) -> dict[str, Any]:
+    """OpenAI's chat logprobs object for `out`'s tokens from index `start` on."""
+    def entry(text: str | None, logprob: float) -> dict[str, Any]:
+        text = text or ""
+        return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for token_id, record in zip(out.token_ids[start:], (out.logprobs or [])[start:]):
+        chosen = record[token_id]
+        content.append({**entry(chosen.decoded_token, chosen.logprob),
+                        "top_logprobs": [entry(lp.decoded_token, lp.logprob) for _, lp in top_entries(record, k)]})
+    return {"content": content}
+
+
+@handle_errors
+async def create_chat_completion(request: Request) -> Response:
+    state: ServerState = request.app.state.pagedllm
+    fields = Fields(await read_json(request, state.settings.max_request_body_bytes))
+    model = check_model(fields, state.model_names)
+    messages = parse_messages(fields.get("messages", "any", required=True))
+    fields.reject_unsupported(REFUSED_CHAT_FIELDS)
+    response_format = fields.get("response_format", "object")
+    if response_format and response_format.get("type", "text") != "text":
+        raise APIError("'response_format' other than text is not supported yet (no structured outputs)",
+                       param="response_format", code="unsupported")
+    add_generation_prompt = fields.get("add_generation_prompt", "bool", True)
+    continue_final = fields.get("continue_final_message", "bool", False)
+    if add_generation_prompt and continue_final:
+        raise APIError("'continue_final_message' needs 'add_generation_prompt': false", param="continue_final_message",
+                       code="invalid_value")
+    text, ids = render_chat(state, messages, add_generation_prompt, continue_final,
+                            fields.get("chat_template_kwargs", "object"))
+    want_logprobs = fields.get("logprobs", "bool", False)
+    top = fields.int_in("top_logprobs", 0, MAX_LOGPROBS)
+    if top is not None and not want_logprobs:
+        raise APIError("'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+    stream = fields.get("stream", "bool", False)
+    include_usage = stream_options(fields, stream)
+    field = "max_completion_tokens" if fields.data.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = fields.get(field, "int")
+    fields.seen.update(("max_tokens", "max_completion_tokens", "user"))
+    k = (top or 0) if want_logprobs else None  # how many alternatives per token, if any
+    values = {**sampling_fields(fields, state.core.vocab_size), "logprobs": k}
+    params = prepare(state.core, [(text, ids)], values, max_tokens, field, "messages")
+    fields.log_unknown("/v1/chat/completions")
+
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = generate_all(state.engine, state.metrics, request_id, [(text, ids)], params)
+    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model}
+    if stream:
+        return SSEResponse(_stream(state, streams, {**head, "object": "chat.completion.chunk"}, params[0].n,
+                                   k, include_usage))
+    try:
+        finals = await until_disconnected(request, collect(streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    choices = []
+    for c in finals[0].outputs:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text}
+        if state.reasoning is not None:
+            reasoning, content = state.reasoning.split(c.text, finished=True)
+            message.update(content=content or None, reasoning_content=reasoning or None)
+        choices.append({"index": c.index, "message": message,
+                        "logprobs": None if k is None else chat_logprobs(c, 0, k),
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
+
+
+async def _stream(state: ServerState, streams: list[AsyncIterator[RequestOutput]], head: dict[str, Any], n: int,
+                  k: int | None, include_usage: bool) -> AsyncIterator[str]:
+    """SSE chunks: a role chunk per choice, content (and reasoning) deltas, finish, usage, [DONE]."""
+    extra = {"usage": None} if include_usage else {}
+    for index in range(n):
+        yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **extra})
+    sent_text = [0] * n
+    sent_tokens = [0] * n
+    done = [False] * n
+    splitters = [ReasoningDelta(state.reasoning) for _ in range(n)] if state.reasoning is not None else None
+    final: RequestOutput | None = None
+    try:
+        async with aclosing(merge(streams)) as merged:
+            async for _, out in merged:
+                final = out
+                for c in out.outputs:
+                    i = c.index
+                    if done[i]:
+                        continue
+                    finished = c.finish_reason is not None
+                    delta: dict[str, Any] = {}
+                    if splitters is not None:
+                        reasoning, content = splitters[i].update(c.text, finished)
+                        if reasoning:
+                            delta["reasoning_content"] = reasoning
+                        if content:
+                            delta["content"] = content
+                    elif len(c.text) > sent_text[i]:
+                        delta["content"] = c.text[sent_text[i]:]
+                    new_tokens = len(c.token_ids) > sent_tokens[i]
+                    if not delta and not finished and not (k is not None and new_tokens):
+                        continue
+                    logprobs = chat_logprobs(c, sent_tokens[i], k) if k is not None else None
+                    sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), finished
+                    yield sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                                    "finish_reason": c.finish_reason,
+                                                    "stop_reason": c.stop_reason}], **extra})
+        if include_usage and final is not None:
+            yield sse({**head, "choices": [], "usage": usage([final])})
+    except Exception as exc:
+        yield sse_error(exc)
+    yield DONE

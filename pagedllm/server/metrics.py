@@ -1,0 +1,102 @@
+"""Prometheus metrics for /metrics, named like vLLM's `vllm:*` ones with a `pagedllm:` prefix.
+
+Engine state (queue lengths, KV-cache usage, prefix-cache hit rate, token counters,
+batch sizes) is read from the engine at scrape time by a custom collector, so the
+engine needs no Prometheus code and the numbers cannot drift from `engine.stats`.
+Latency histograms are observed by the server as outputs reach it, which is what a
+client experiences. Each app has its own registry, so several apps (tests) can share
+a process.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from pagedllm.core.engine import AsyncLLMEngine
+
+PREFIX = "pagedllm:"
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# vLLM's buckets (seconds), trimmed at the top.
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class _EngineCollector(Collector):
+    """Reads the engine's counters and gauges when Prometheus scrapes."""
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        core = self.engine.engine
+        stats = core.stats
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("num_requests_running", "Sequences in the running batch.", core.num_running)
+        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", core.num_waiting)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
+                    core.block_manager.usage)
+        yield gauge("prefix_cache_hit_rate", "Fraction of queried prompt tokens found in the prefix cache.",
+                    core.block_manager.prefix_hit_rate)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      core.block_manager.num_query_tokens)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
+                      core.block_manager.num_hit_tokens)
+        yield gauge("max_num_seqs_per_step", "Most sequences batched in one engine step so far.",
+                    stats.max_seqs_in_step)
+        recent = stats.seqs_per_step[-100:]
+        yield gauge("avg_num_seqs_per_step", "Mean sequences per step over the last 100 steps.",
+                    sum(recent) / len(recent) if recent else 0.0)
+        yield counter("prompt_tokens", "Prompt tokens received (per sequence).", stats.num_prompt_tokens)
+        yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
+        yield counter("engine_steps", "Engine steps run.", stats.num_steps)
+
+
+class ServerMetrics:
+    """The app's metric registry and the latency histograms handlers observe.
+
+    Args:
+        engine: the engine whose state the gauges and counters report.
+        model_name: the `model_name` label (the served model name).
+    """
+
+    def __init__(self, engine: AsyncLLMEngine, model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineCollector(engine, model_name))
+        self.model_name = model_name
+        self._ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to the first generated token.",
+                               ["model_name"], buckets=TTFT_BUCKETS, registry=self.registry)
+        self._itl = Histogram(PREFIX + "inter_token_latency_seconds", "Time between generated tokens.",
+                              ["model_name"], buckets=ITL_BUCKETS, registry=self.registry)
+        self._e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Time from arrival to the last token.",
+                              ["model_name"], buckets=E2E_BUCKETS, registry=self.registry)
+        self._success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
+                                ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = self._ttft.labels(model_name)
+        self.itl = self._itl.labels(model_name)
+        self.e2e = self._e2e.labels(model_name)
+
+    def finished(self, reason: str) -> None:
+        self._success.labels(self.model_name, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,276 @@
+"""OpenAI request fields: reading, type checks, and the mapping to SamplingParams.
+
+A request body is a JSON object read through `Fields`, which checks each field's type
+as it is asked for and raises `APIError` naming the field. Value ranges are
+SamplingParams' business: its ValueError names the field, and becomes a 400 with that
+`param`. Fields we do not know are ignored (as vLLM does) and logged at debug level;
+fields we know but cannot honour yet are rejected, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+from typing import Any
+
+from starlette.requests import Request
+
+from pagedllm.core.request import Logprob, RequestOutput, SamplingParams
+from pagedllm.server.errors import APIError
+
+logger = logging.getLogger("pagedllm.server")
+
+MAX_N = 128  # choices per request: each is a sequence in the batch
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_SEED = 2**63 - 1 - MAX_N  # the engine seeds choice i with seed + i
+MAX_TOP_K = 2**31 - 1  # larger means "no top-k" anyway, and must fit a tensor
+
+_MISSING = object()
+_KINDS = {
+    "any": ("any JSON value", lambda v: True),
+    "str": ("a string", lambda v: isinstance(v, str)),
+    "int": ("an integer", lambda v: isinstance(v, int) and not isinstance(v, bool)),
+    "number": ("a number", lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)),
+    "bool": ("a boolean", lambda v: isinstance(v, bool)),
+    "object": ("an object", lambda v: isinstance(v, dict)),
+    "str_or_list": ("a string or an array of strings",
+                    lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(s, str) for s in v))),
+    "int_list": ("an array of integers",
+                 lambda v: isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)),
+}
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object; 413 past `max_bytes`, 400 if not JSON.
+
+    The size is checked while reading, so a client that lies in Content-Length (or
+    sends none) still cannot make the server buffer more than `max_bytes`.
+    """
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise APIError(f"the request body is {declared} bytes, more than the {max_bytes} allowed",
+                       413, code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(f"the request body is more than the {max_bytes} bytes allowed",
+                           413, code="request_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw.strip():
+        raise APIError("the request body is empty; send a JSON object", code="invalid_json")
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise APIError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(f"the request body must be a JSON object, got {type(data).__name__}",
+                       code="invalid_json")
+    return data
+
+
+class Fields:
+    """Typed access to a request body; every accessor raises APIError naming the field."""
+
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.data = data
+        self.seen: set[str] = set()
+
+    def get(self, name: str, kind: str, default: Any = None, *, required: bool = False) -> Any:
+        """The field's value (`default` when absent or null), checked to be of `kind`."""
+        self.seen.add(name)
+        value = self.data.get(name, _MISSING)
+        if value is _MISSING or value is None:
+            if required:
+                raise APIError(f"'{name}' is a required field", param=name, code="missing_required_parameter")
+            return default
+        what, ok = _KINDS[kind]
+        if not ok(value):
+            raise APIError(f"'{name}' must be {what}, got {json.dumps(value)[:80]}", param=name,
+                           code="invalid_type")
+        if kind == "number":
+            try:
+                value = float(value)
+            except OverflowError:
+                value = math.inf
+            if not math.isfinite(value):
+                raise APIError(f"'{name}' must be a finite number", param=name, code="invalid_value")
+        return value
+
+    def int_in(self, name: str, low: int, high: int, default: int | None = None) -> int | None:
+        value = self.get(name, "int", default)
+        if value is not None and not low <= value <= high:
+            raise APIError(f"'{name}' must be between {low} and {high}, got {value}", param=name,
+                           code="invalid_value")
+        return value
+
+    def reject_unsupported(self, names: dict[str, str]) -> None:
+        """400 for fields we understand but cannot honour yet (given with a non-empty value)."""
+        for name, why in names.items():
+            self.seen.add(name)
+            if self.data.get(name) not in (None, False, "", [], {}):
+                raise APIError(f"'{name}' is not supported yet: {why}", param=name, code="unsupported")
+
+    def log_unknown(self, endpoint: str) -> None:
+        unknown = sorted(set(self.data) - self.seen)
+        if unknown:
+            logger.debug("%s: ignoring unknown fields %s", endpoint, unknown)
+
+
+def check_model(fields: Fields, served_names: list[str]) -> str:
+    """The model name to report; 404 for a name this server does not serve."""
+    name = fields.get("model", "str")
+    if name is None:
+        return served_names[0]
+    if name not in served_names:
+        raise APIError(f"the model '{name}' does not exist; this server serves: {', '.join(served_names)}",
+                       404, param="model", code="model_not_found")
+    return name
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str,
+                  prompt_param: str = "prompt") -> int:
+    """The number of tokens to generate, within the context window; 400 with both numbers when
+    prompt + max_tokens does not fit. An unset max_tokens means 'up to the end of the context'."""
+    if prompt_len > max_model_len:
+        raise APIError(f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+                       f"has {prompt_len} tokens; shorten the prompt", param=prompt_param,
+                       code="context_length_exceeded")
+    if max_tokens is None:
+        return max(1, max_model_len - prompt_len)
+    if prompt_len + max_tokens > max_model_len:
+        raise APIError(f"this model's maximum context length is {max_model_len} tokens, but you asked for "
+                       f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in "
+                       f"'{field}'); lower '{field}' or shorten the prompt", param=field,
+                       code="context_length_exceeded")
+    return max_tokens
+
+
+def sampling_fields(fields: Fields, vocab_size: int) -> dict[str, Any]:
+    """The SamplingParams arguments both endpoints share (OpenAI's plus vLLM's extras).
+
+    Values that would break the engine's step for every request in it (token ids outside
+    the vocabulary, a top_k too big for a tensor) are refused here, per request."""
+    fields.reject_unsupported({
+        "logit_bias": "no logits processor for it",
+        "guided_json": "structured outputs are not built", "guided_regex": "structured outputs are not built",
+        "guided_choice": "structured outputs are not built", "guided_grammar": "structured outputs are not built",
+        "prompt_logprobs": "prompt logprobs are not computed",
+    })
+    seed = fields.get("seed", "int")
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise APIError(f"'seed' must be between 0 and {MAX_SEED}, got {seed}", param="seed", code="invalid_value")
+    stop = fields.get("stop", "str_or_list")
+    stop_token_ids = fields.get("stop_token_ids", "int_list")
+    bad = [t for t in stop_token_ids or [] if not 0 <= t < vocab_size]
+    if bad:
+        raise APIError(f"'stop_token_ids' {bad[:5]} are outside the vocabulary [0, {vocab_size})",
+                       param="stop_token_ids", code="invalid_value")
+    n = fields.int_in("n", 1, MAX_N, 1)
+    best_of = fields.get("best_of", "int")
+    if best_of is not None and best_of != n:
+        raise APIError(f"'best_of' other than n is not supported yet (got best_of={best_of}, n={n})",
+                       param="best_of", code="unsupported")
+    return dict(
+        n=n,
+        temperature=fields.get("temperature", "number", 1.0),
+        top_p=fields.get("top_p", "number", 1.0),
+        top_k=fields.int_in("top_k", -1, MAX_TOP_K, 0),
+        min_p=fields.get("min_p", "number", 0.0),
+        seed=seed,
+        stop=stop,
+        stop_token_ids=stop_token_ids,
+        ignore_eos=fields.get("ignore_eos", "bool", False),
+        min_tokens=fields.get("min_tokens", "int", 0),
+        presence_penalty=fields.get("presence_penalty", "number", 0.0),
+        frequency_penalty=fields.get("frequency_penalty", "number", 0.0),
+        repetition_penalty=fields.get("repetition_penalty", "number", 1.0),
+        skip_special_tokens=fields.get("skip_special_tokens", "bool", True),
+        include_stop_str_in_output=fields.get("include_stop_str_in_output", "bool", False),
+    )
+
+
+_PARAM_NAME = re.compile(r"SamplingParams\.(\w+)")
+
+
+def make_sampling_params(values: dict[str, Any]) -> SamplingParams:
+    """SamplingParams from checked fields; its ValueError becomes a 400 naming the field."""
+    try:
+        return SamplingParams(**values)
+    except ValueError as exc:
+        match = _PARAM_NAME.search(str(exc))
+        raise APIError(str(exc), param=match.group(1) if match else None, code="invalid_value") from None
+
+
+def stream_options(fields: Fields, stream: bool) -> bool:
+    """Whether to send a final usage chunk (`stream_options.include_usage`)."""
+    options = fields.get("stream_options", "object")
+    if options is None:
+        return False
+    if not stream:
+        raise APIError("'stream_options' is only allowed with 'stream': true", param="stream_options",
+                       code="invalid_value")
+    include = options.get("include_usage", False)
+    if not isinstance(include, bool):
+        raise APIError("'stream_options.include_usage' must be a boolean", param="stream_options",
+                       code="invalid_type")
+    return include
+
+
+def usage(finals: list[RequestOutput]) -> dict[str, Any]:
+    """OpenAI `usage` over the final outputs of one API request (one per prompt)."""
+    prompt = sum(len(out.prompt_token_ids) for out in finals)
+    completion = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    cached = sum(out.num_cached_tokens for out in finals)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def clamp_logprob(value: float) -> float:
+    """JSON has no -inf: report impossible tokens as -9999.0, as vLLM does."""
+    return value if math.isfinite(value) else -9999.0
+
+
+def top_entries(record: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+    """The k most likely tokens of one position's logprob record, best first."""
+    ranked = sorted(((tid, lp) for tid, lp in record.items() if lp.rank is not None and lp.rank <= k),
+                    key=lambda item: item[1].rank)
+    return ranked[:k]
+
+
+def encode_prompt(tokenizer: Any, value: Any, param: str = "prompt") -> list[tuple[str | None, list[int]]]:
+    """OpenAI's four prompt shapes -> [(text or None, token ids)]: a string, a list of strings,
+    a list of token ids, or a list of token-id lists."""
+    def is_ids(v: Any) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+    if isinstance(value, str):
+        return [(value, tokenizer.encode(value))]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return [(v, tokenizer.encode(v)) for v in value]
+        if is_ids(value):
+            return [(None, list(value))]
+        if all(is_ids(v) for v in value):
+            return [(None, list(v)) for v in value]
+    raise APIError(f"'{param}' must be a non-empty string, array of strings, array of token ids or array of "
+                   "token-id arrays", param=param, code="invalid_type")
+
+
+def prepare(core: Any, prompts: list[tuple[str | None, list[int]]], values: dict[str, Any],
+            max_tokens: int | None, field: str, prompt_param: str) -> list[SamplingParams]:
+    """Check each prompt against the engine and the context window; one SamplingParams each.
+
+    `field` names the max-tokens field the client used, `prompt_param` the prompt's."""
+    params = []
+    for _, ids in prompts:
+        budget = check_context(len(ids), max_tokens, core.max_model_len, field, prompt_param)
+        try:
+            core.validate_prompt(ids)
+        except ValueError as exc:
+            raise APIError(str(exc), param=prompt_param, code="invalid_value") from None
+        params.append(make_sampling_params({**values, "max_tokens": budget}))
+    return params

@@ -1,0 +1,183 @@
+"""Driving engine streams from a request: SSE framing, fan-in, and abort on disconnect.
+
+The engine aborts a request (and frees its KV blocks) when the consumer of its
+`generate()` iterator stops iterating — but only once that iterator is closed or
+cancelled. Everything here exists to make sure one of the two always happens:
+`SSEResponse` closes its body iterator however the response ends, the body iterators
+close the engine iterators they wrap (`aclosing`), `merge` cancels its pump tasks,
+and `until_disconnected` cancels a non-streaming generation whose client has gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from contextlib import aclosing
+from typing import Any, AsyncIterator, Awaitable, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from pagedllm.core.engine import AsyncLLMEngine
+from pagedllm.core.request import RequestOutput, SamplingParams
+from pagedllm.server.errors import error_body, from_engine_error
+from pagedllm.server.metrics import ServerMetrics
+
+T = TypeVar("T")
+DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event carrying a JSON object."""
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def sse_error(exc: BaseException) -> str:
+    """The event a stream ends with when its request fails after the 200 was sent."""
+    err = from_engine_error(exc)
+    return sse(error_body(err.message, err.status_code, err.param, err.code))
+
+
+class SSEResponse(StreamingResponse):
+    """A text/event-stream response that always closes its body iterator.
+
+    Starlette stops iterating when the client disconnects (it cancels the sending task),
+    but a generator cancelled while suspended in `send` is left open; closing it here
+    runs its `finally`, which aborts the engine request.
+    """
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except OSError:
+            pass  # the client went away mid-write; nothing left to tell it
+        finally:
+            closer = getattr(self.body_iterator, "aclose", None)
+            if closer is not None:
+                await closer()
+
+
+class _End:
+    pass
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several streams as (stream index, item), in arrival order.
+
+    Each stream is pumped by its own task; leaving this generator early (or an error in
+    any stream) cancels every pump, which closes — and so aborts — its engine request.
+    """
+    if len(streams) == 1:
+        async with aclosing(streams[0]) as only:
+            async for item in only:
+                yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async with aclosing(stream) as it:
+                async for item in it:
+                    queue.put_nowait((index, item))
+        except Exception as exc:
+            queue.put_nowait((index, exc))
+            return
+        queue.put_nowait((index, _End()))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if isinstance(item, _End):
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def timed(stream: AsyncIterator[RequestOutput], metrics: ServerMetrics) -> AsyncIterator[RequestOutput]:
+    """Pass a request's outputs through, recording TTFT, inter-token and e2e latency."""
+    start = last = time.monotonic()
+    num_tokens = 0
+    async with aclosing(stream) as outputs:
+        async for out in outputs:
+            now = time.monotonic()
+            total = sum(len(c.token_ids) for c in out.outputs)
+            new = total - num_tokens
+            if new > 0:
+                if num_tokens == 0:
+                    metrics.ttft.observe(now - start)
+                else:
+                    for _ in range(new):
+                        metrics.itl.observe((now - last) / new)
+                num_tokens, last = total, now
+            if out.finished:
+                metrics.e2e.observe(now - start)
+                for c in out.outputs:
+                    metrics.finished(c.finish_reason or "abort")
+            yield out
+
+
+def generate_all(engine: AsyncLLMEngine, metrics: ServerMetrics, request_id: str,
+                 prompts: list[tuple[str | None, list[int]]],
+                 params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
+    """One engine stream per prompt (ids `<request_id>-<i>`); nothing starts until iterated."""
+    return [timed(engine.generate(text, p, f"{request_id}-{i}", prompt_token_ids=ids), metrics)
+            for i, ((text, ids), p) in enumerate(zip(prompts, params))]
+
+
+async def collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+    """Each stream's final output, in stream order. A failed stream raises APIError (400
+    for input the engine refused, 500 for an engine failure, which the engine has logged)."""
+    finals: list[RequestOutput | None] = [None] * len(streams)
+    try:
+        async with aclosing(merge(streams)) as merged:
+            async for index, out in merged:
+                finals[index] = out
+    except Exception as exc:
+        raise from_engine_error(exc) from exc
+    return [f for f in finals if f is not None]
+
+
+class ClientDisconnected(Exception):
+    """The client closed the connection before the answer was ready."""
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it (and so aborting its engine requests) if the client leaves.
+
+    The body must have been read already: after it, the only message the server can
+    receive is `http.disconnect`.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watcher):
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(task, watcher, return_exceptions=True)
+    if task.cancelled():
+        raise ClientDisconnected()
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
