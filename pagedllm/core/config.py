@@ -54,7 +54,8 @@ class ModelConfig:
     trust_remote_code: bool = opt(False, "Accepted for compatibility; pagedllm runs no remote code.",
                                   "model")
     seed: int = opt(0, "Seed of the global sampling generator.", "model")
-    served_model_name: str | None = opt(None, "Model name the API reports (default: model path).",
+    served_model_name: str | None = opt(None, "Model name the API reports (default: the model as given, "
+                                        "or the bundled model's file name).",
                                         "model")
 
     def __post_init__(self) -> None:

@@ -116,6 +116,10 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self.validate_prompt(prompt_token_ids)
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone(
@@ -275,6 +279,11 @@ class AsyncLLMEngine:
             self._streams.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the engine thread has stopped (shut down or crashed)."""
+        return self._thread.is_alive()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -67,6 +67,8 @@ def pagedllm_checkpoint_formats() -> dict[str, type[CheckpointFormat]]:
 
 
 @hookspec
-def pagedllm_add_cli_args(parser: argparse.ArgumentParser) -> None:
+def pagedllm_add_cli_args(parser: argparse._ArgumentGroup) -> None:
     """Add plugin-specific flags to `pagedllm serve` (and the other commands that build
-    an engine). Values reach the plugin through `EngineConfig.plugin_options`."""
+    an engine). `parser` is the "plugin options" argument group of the command's
+    parser (call `parser.add_argument`). Values reach the plugin through
+    `EngineConfig.plugin_options`, keyed by each flag's dest."""

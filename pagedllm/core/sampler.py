@@ -90,7 +90,8 @@ class Sampler:
         dev = logits.device
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
         logits = logits / temps[:, None]
-        top_k = torch.tensor([p.top_k for p in params], device=dev)
+        vocab = logits.shape[-1]
+        top_k = torch.tensor([min(p.top_k, vocab) for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         min_p = torch.tensor([p.min_p for p in params], device=dev)
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):

@@ -49,6 +49,15 @@ def resolve_dtype(requested: str, hf_config: Any, device: str) -> torch.dtype:
     return dtype
 
 
+def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zero-filled tensor. On the CPU it comes from calloc (numpy), so the OS hands out
+    zero pages on first touch instead of the engine writing gigabytes at start-up."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype).view(shape)
+
+
 @dataclass
 class StepResult:
     sampled: dict[str, list[int]]
@@ -102,7 +111,7 @@ class Worker:
         self.builder = self.backend.builder_cls()(self.attn_spec)
         self.budget = self._plan_memory()
         shape = self.backend.kv_cache_shape(self.budget.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
+        self.kv_caches = [zeroed(shape, self.kv_dtype, self.device) for _ in range(spec.num_layers)]
         self.sampler = Sampler(config.model.seed, self.device)
 
     # ------------------------------------------------------------------ set-up helpers

@@ -86,8 +86,7 @@ class ServerState:
 
 async def health(request: Request) -> Response:
     state: ServerState = request.app.state.pagedllm
-    thread = getattr(state.engine, "_thread", None)
-    if thread is not None and not thread.is_alive():
+    if not state.engine.is_alive:
         return JSONResponse({"status": "engine stopped"}, status_code=503)
     return Response(status_code=200)
 
