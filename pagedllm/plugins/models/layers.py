@@ -94,15 +94,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.offset = offset
+        self._weight: torch.Tensor | None = None
+        self._weight_version = -1
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if residual is not None:
             x = x + residual
             residual = x
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        out = (xf * (self.weight.float() + self.offset)).to(x.dtype)
+        if self._weight is None or self._weight_version != self.weight._version:
+            # float32 (1 + w) copy, made once and again only if the weight is written to
+            self._weight = self.weight.float() + self.offset
+            self._weight_version = self.weight._version
+        out = F.rms_norm(x.float(), (x.shape[-1],), self._weight, self.eps).to(x.dtype)
         return out if residual is None else (out, residual)
 
 

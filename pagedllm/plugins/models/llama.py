@@ -58,7 +58,8 @@ class LlamaAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(q, rope), RotaryEmbedding.apply(k, rope)
+        qk = RotaryEmbedding.apply(torch.cat((q, k), dim=1), rope)
+        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v, attn))
 
 
