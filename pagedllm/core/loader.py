@@ -78,9 +78,7 @@ def open_model(path: str, load_format: str, registry: PluginRegistry, options: d
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (pagedllm reads local files; it does not "
                          "download from a model hub)")
-    fmt = registry.checkpoint_format(load_format, path)
-    if fmt is not None:
-        fmt.options.update(options)  # plugin-added flags (e.g. --gguf-keep-quantized)
+    fmt = registry.checkpoint_format(load_format, path, options)
     if fmt is None:
         if not HFDirectory.detect(path):
             known = ", ".join(sorted(registry.checkpoint_formats)) or "none"

@@ -87,20 +87,22 @@ class PluginRegistry:
             )
         return self.spec_methods[name]
 
-    def checkpoint_format(self, load_format: str, path: str) -> CheckpointFormat | None:
-        """The format plugin for `path`, or None when the core's HF-directory loader applies."""
+    def checkpoint_format(self, load_format: str, path: str,
+                          options: dict[str, Any] | None = None) -> CheckpointFormat | None:
+        """The format plugin for `path` (built with the engine's plugin options), or None
+        when the core's HF-directory loader applies."""
         if load_format in ("auto", "safetensors", "hf", "pt"):
             if load_format == "auto":
                 for fmt in self.checkpoint_formats.values():
                     if fmt.detect(path):
-                        return fmt(path)
+                        return fmt(path, options)
             return None
         if load_format not in self.checkpoint_formats:
             raise ValueError(
                 f"unknown load format {load_format!r}; available here: auto, safetensors, "
                 + ", ".join(sorted(self.checkpoint_formats))
             )
-        return self.checkpoint_formats[load_format](path)
+        return self.checkpoint_formats[load_format](path, options)
 
     def attention_backend(self, requested: str | None, spec: AttentionSpec) -> type[AttentionBackend]:
         """The backend to use: the requested one (which must be able to run), else the

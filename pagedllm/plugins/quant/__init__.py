@@ -1,1 +1,44 @@
-"""Built-in quant plugins (registered through the pagedllm.plugins entry point 'quant')."""
+"""Built-in quantization plugins: quantizers and the checkpoint formats that need them.
+
+Each table maps a public name to (module, class) under this package; a module is
+imported when the plugin manager asks for the tables, so keep quantizer modules free of
+heavy top-level imports (kernel libraries load inside `check`/`apply`). Add a quantizer
+by adding one line to `_QUANT_METHODS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+
+from pagedllm import hookimpl
+
+_QUANT_METHODS = {
+    "gguf": ("gguf_linear", "GGUFConfig"),
+}
+_CHECKPOINT_FORMATS = {
+    "gguf": ("gguf", "GGUFFormat"),
+}
+
+
+def _load(table: dict[str, tuple[str, str]]) -> dict[str, type]:
+    return {name: getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+            for name, (module, cls) in table.items()}
+
+
+@hookimpl
+def pagedllm_quant_methods():
+    return _load(_QUANT_METHODS)
+
+
+@hookimpl
+def pagedllm_checkpoint_formats():
+    return _load(_CHECKPOINT_FORMATS)
+
+
+@hookimpl
+def pagedllm_add_cli_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--gguf-keep-quantized", action="store_true", dest="gguf_keep_quantized", default=False,
+        help="Keep GGUF linear weights as quantized blocks and dequantize them per layer on the fly "
+             "(less memory, slower); by default GGUF weights are dequantized once at load.")

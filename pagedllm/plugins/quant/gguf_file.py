@@ -33,6 +33,25 @@ _NUMPY_SCALARS = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6:
                   7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
 _STRING, _ARRAY = 8, 9
 
+QK_K = 256
+# ggml type ids (the `type` field of a GGUF tensor info).
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 0, 1, 2, 3, 6, 7, 8
+Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, BF16 = 10, 11, 12, 13, 14, 30
+FLOAT_TYPES = frozenset({F32, F16, BF16})
+TYPE_NAMES: dict[int, str] = {
+    0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 9: "Q8_1",
+    10: "Q2_K", 11: "Q3_K", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 15: "Q8_K", 16: "IQ2_XXS",
+    17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S", 23: "IQ4_XS",
+    24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 30: "BF16",
+    34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4",
+}
+# The types we can dequantize: type id -> (values per block, bytes per block).
+BLOCK_LAYOUTS: dict[int, tuple[int, int]] = {
+    F32: (1, 4), F16: (1, 2), BF16: (1, 2), Q8_0: (32, 34), Q4_0: (32, 18), Q4_1: (32, 20),
+    Q5_0: (32, 22), Q5_1: (32, 24), Q2_K: (QK_K, 84), Q3_K: (QK_K, 110), Q4_K: (QK_K, 144),
+    Q5_K: (QK_K, 176), Q6_K: (QK_K, 210),
+}
+
 
 class GGUFError(ValueError):
     """A GGUF file that cannot be used; the message names the file and the problem."""
@@ -44,7 +63,7 @@ class TensorInfo:
 
     name: str
     shape: tuple[int, ...]
-    qtype: int  # ggml type id (see gguf_dequant.TYPE_NAMES)
+    qtype: int  # ggml type id (see TYPE_NAMES)
     offset: int  # absolute byte offset of the data in the file
     num_bytes: int
 
@@ -81,6 +100,24 @@ class _Cursor:
         except UnicodeDecodeError as exc:
             raise GGUFError(f"{self.path}: corrupt GGUF string at offset {self.pos - len(raw)}: {exc}") from None
 
+    def strings(self, n: int) -> list[str]:
+        """`n` consecutive strings: the hot path (vocabularies and merges hold ~10^5)."""
+        buf, pos, end, unpack = self.buf, self.pos, len(self.buf), struct.Struct("<Q").unpack_from
+        out = []
+        try:
+            for _ in range(n):
+                (size,) = unpack(buf, pos)
+                pos += 8
+                if pos + size > end:
+                    raise struct.error("string runs past the end")
+                out.append(str(buf[pos:pos + size], "utf-8"))
+                pos += size
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise GGUFError(f"{self.path}: GGUF file is truncated or corrupt: bad string array at "
+                            f"offset {pos}: {exc}") from None
+        self.pos = pos
+        return out
+
     def count(self, what: str) -> int:
         # A count larger than the bytes left cannot be real: catch garbage before looping on it.
         n = self.u64()
@@ -99,6 +136,8 @@ class _Cursor:
             if etype in _NUMPY_SCALARS:
                 size = _SCALARS[etype][1]
                 return np.frombuffer(self.take(n * size), dtype=_NUMPY_SCALARS[etype]).copy()
+            if etype == _STRING:
+                return self.strings(n)
             return [self.value(etype) for _ in range(n)]
         raise GGUFError(f"{self.path}: corrupt GGUF metadata: unknown value type {vtype} at offset {self.pos}")
 
@@ -149,8 +188,6 @@ class GGUFFile:
             self.tensors[name] = self._tensor_info(name, shape, qtype, rel)
 
     def _tensor_info(self, name: str, shape: tuple[int, ...], qtype: int, rel: int) -> TensorInfo:
-        from pagedllm.plugins.quant.gguf_dequant import tensor_nbytes
-
         num_bytes = tensor_nbytes(qtype, shape, where=f"{self.path}: tensor {name!r}")
         start = self.data_start + rel
         if start + num_bytes > self.file_size:
@@ -172,6 +209,28 @@ class GGUFFile:
         if key not in self.metadata:
             raise GGUFError(f"{self.path}: GGUF metadata is missing {key!r}")
         return self.metadata[key]
+
+
+def type_name(qtype: int) -> str:
+    return TYPE_NAMES.get(qtype, f"unknown type {qtype}")
+
+
+def check_supported(qtype: int, where: str) -> tuple[int, int]:
+    """(block size, type size) of a type we can dequantize; otherwise a GGUFError naming `where`."""
+    if qtype not in BLOCK_LAYOUTS:
+        supported = ", ".join(type_name(t) for t in BLOCK_LAYOUTS)
+        raise GGUFError(f"{where} has tensor type {type_name(qtype)}, which pagedllm cannot dequantize "
+                        f"(supported: {supported})")
+    return BLOCK_LAYOUTS[qtype]
+
+
+def tensor_nbytes(qtype: int, shape: tuple[int, ...], where: str) -> int:
+    """Bytes of a tensor of numpy `shape`; its last dim must be a whole number of blocks."""
+    block_size, type_size = check_supported(qtype, where)
+    if shape and shape[-1] % block_size:
+        raise GGUFError(f"{where}: row length {shape[-1]} is not a multiple of the "
+                        f"{type_name(qtype)} block size {block_size} (corrupt file?)")
+    return int(np.prod(shape, dtype=np.int64)) // block_size * type_size
 
 
 def is_gguf(path: str) -> bool:

@@ -1,0 +1,185 @@
+"""GGUF checkpoints: one llama.cpp file carries config, tokenizer and weights.
+
+`GGUFFormat` turns the file into what the engine reads from a Hugging Face directory: a
+transformers config built from the GGUF metadata, a tokenizer built from the embedded
+vocabulary, and (name, tensor) pairs under Hugging Face parameter names, so the model
+plugins load it unchanged. Two modes:
+
+* default: every tensor is dequantized to float32 at load (the engine then casts).
+* `gguf_keep_quantized` (`--gguf-keep-quantized`): linear weights stay raw ggml blocks
+  and `GGUFConfig`'s linear method dequantizes them per call (see gguf_linear.py).
+
+llama.cpp's converter permutes the rows of Llama's q/k projections (it pairs rotary
+halves for its interleaved RoPE); we undo that so the weights match Hugging Face's.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from pagedllm.core.contracts import CheckpointFormat
+from pagedllm.plugins.quant.gguf_dequant import dequantize_numpy
+from pagedllm.plugins.quant.gguf_file import FLOAT_TYPES, GGUFError, GGUFFile, is_gguf
+from pagedllm.plugins.quant.gguf_linear import tag_raw
+
+
+@dataclass(frozen=True)
+class _Arch:
+    hf_architecture: str
+    config_class: str  # a transformers config class name
+    permute_qk: bool  # llama.cpp permuted q/k rows at conversion
+
+
+# GGUF `general.architecture` -> how to present it; each needs a model plugin of that HF name.
+ARCHITECTURES = {
+    "llama": _Arch("LlamaForCausalLM", "LlamaConfig", permute_qk=True),
+    "qwen2": _Arch("Qwen2ForCausalLM", "Qwen2Config", permute_qk=False),
+    "qwen3": _Arch("Qwen3ForCausalLM", "Qwen3Config", permute_qk=False),
+}
+
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str, path: str) -> str:
+    """The Hugging Face parameter name of a GGUF tensor (`blk.3.attn_q.weight` ->
+    `model.layers.3.self_attn.q_proj.weight`)."""
+    match = _LAYER_RE.match(gguf_name)
+    if match and match.group(2) in _LAYER_NAMES:
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+    base, _, kind = gguf_name.rpartition(".")
+    if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
+        return f"{_GLOBAL_NAMES[base]}.{kind}"
+    if gguf_name == "rope_freqs.weight":
+        raise NotImplementedError(f"{path}: GGUF rope_freqs (Llama 3.1-style rope scaling) is not supported yet")
+    raise GGUFError(f"{path}: GGUF tensor {gguf_name!r} has no counterpart in pagedllm's models")
+
+
+def unpermute_rows(x: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation: within each head, rows were reordered from
+    [first half | second half] to interleaved pairs. Works on raw block rows too."""
+    rows = x.shape[0]
+    if rows % (2 * num_heads):
+        raise ValueError(f"cannot un-permute {rows} rows over {num_heads} heads")
+    return x.reshape(num_heads, rows // num_heads // 2, 2, *x.shape[1:]).transpose(1, 2).reshape(x.shape)
+
+
+class GGUFFormat(CheckpointFormat):
+    """A `.gguf` file. Options: `gguf_keep_quantized` (bool)."""
+
+    name = "gguf"
+
+    @classmethod
+    def detect(cls, path: str) -> bool:
+        return is_gguf(path)
+
+    @functools.cached_property
+    def file(self) -> GGUFFile:
+        return GGUFFile(self.path)
+
+    @property
+    def keep_quantized(self) -> bool:
+        return bool(self.options.get("gguf_keep_quantized"))
+
+    @functools.cached_property
+    def arch(self) -> str:
+        arch = self.file.require("general.architecture")
+        if arch not in ARCHITECTURES:
+            raise ValueError(f"{self.path}: GGUF architecture {arch!r} is not supported; supported: "
+                             f"{', '.join(sorted(ARCHITECTURES))}")
+        return arch
+
+    def _meta(self, key: str, default: Any = None) -> Any:
+        return self.file.get(f"{self.arch}.{key}", default)
+
+    def _require(self, key: str) -> int:
+        return int(self.file.require(f"{self.arch}.{key}"))
+
+    def hf_config(self) -> Any:
+        return self._hf_config
+
+    @functools.cached_property
+    def _hf_config(self) -> Any:
+        import transformers
+
+        spec, f = ARCHITECTURES[self.arch], self.file
+        num_heads = self._require("attention.head_count")
+        hidden = self._require("embedding_length")
+        vocab = self._meta("vocab_size") or len(f.get("tokenizer.ggml.tokens") or []) or \
+            f.tensors["token_embd.weight"].shape[0]
+        kwargs: dict[str, Any] = dict(
+            architectures=[spec.hf_architecture], vocab_size=int(vocab), hidden_size=hidden,
+            intermediate_size=self._require("feed_forward_length"),
+            num_hidden_layers=self._require("block_count"),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(self._meta("attention.head_count_kv", num_heads)),
+            head_dim=int(self._meta("attention.key_length", hidden // num_heads)),
+            max_position_embeddings=int(self._meta("context_length", 2048)),
+            rms_norm_eps=float(self._meta("attention.layer_norm_rms_epsilon", 1e-6)),
+            rope_theta=float(self._meta("rope.freq_base", 10000.0)),
+            tie_word_embeddings="output.weight" not in f.tensors,
+            bos_token_id=f.get("tokenizer.ggml.bos_token_id"),
+            eos_token_id=f.get("tokenizer.ggml.eos_token_id"),
+            pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
+            dtype="float32",
+        )
+        scaling = self._meta("rope.scaling.type")
+        if scaling == "linear":
+            kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(self._meta("rope.scaling.factor"))}
+        elif scaling not in (None, "none"):
+            raise NotImplementedError(f"{self.path}: GGUF rope scaling {scaling!r} is not supported yet "
+                                      "(supported: none, linear)")
+        if "rope_freqs.weight" in f.tensors:
+            raise NotImplementedError(f"{self.path}: GGUF rope_freqs (Llama 3.1-style rope scaling) "
+                                      "is not supported yet")
+        return getattr(transformers, spec.config_class)(**kwargs)
+
+    def tokenizer(self) -> Any:
+        from pagedllm.plugins.quant.gguf_tokenizer import build_tokenizer
+
+        return build_tokenizer(self.file.metadata, self.path)
+
+    def quantization(self) -> str | None:
+        return "gguf" if self.keep_quantized else None
+
+    def _permute_heads(self, name: str) -> int | None:
+        if not ARCHITECTURES[self.arch].permute_qk:
+            return None
+        cfg = self.hf_config()
+        if ".self_attn.q_proj." in name:
+            return cfg.num_attention_heads
+        if ".self_attn.k_proj." in name:
+            return cfg.num_key_value_heads
+        return None
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every tensor under its HF name: float32, or (keep-quantized linear weights)
+        raw uint8 rows tagged by `gguf_linear.tag_raw`. Tensors are fresh copies."""
+        self.hf_config()  # fail on an unsupported file before streaming anything
+        for gguf_name, info in self.file.tensors.items():
+            name = hf_name(gguf_name, self.path)
+            heads = self._permute_heads(name)
+            data = self.file.tensor_bytes(gguf_name)
+            is_linear = name.endswith(".weight") and name.rsplit(".", 2)[-2] in _LINEARS
+            if self.keep_quantized and is_linear and info.qtype not in FLOAT_TYPES:
+                tensor = torch.from_numpy(np.array(data, copy=True)).reshape(info.shape[0], -1)
+                if heads:
+                    tensor = unpermute_rows(tensor, heads)
+                yield name, tag_raw(tensor, info.qtype)
+                continue
+            tensor = dequantize_numpy(data, info.qtype, info.shape)
+            yield name, unpermute_rows(tensor, heads) if heads else tensor

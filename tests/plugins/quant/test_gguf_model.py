@@ -1,0 +1,307 @@
+"""GGUF checkpoints end to end: the real SmolLM2 file against transformers, tiny files we
+write ourselves (Llama / Qwen2 / Qwen3, F32 and Q8_0) against their Hugging Face
+directories, and the errors a bad file must produce.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+gguf = pytest.importorskip("gguf")
+
+from pagedllm import LLM, SamplingParams  # noqa: E402
+from pagedllm.plugins.quant.gguf import GGUFFormat  # noqa: E402
+from pagedllm.plugins.quant.gguf_file import GGUFError  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+NUM_TOKENS = 32
+KEEP_TOKENS = 8
+KV_BYTES = 1 << 26
+LOGPROB_ATOL = 1e-4  # keep-quantized runs the same float32 weights, so only op order differs
+CHATS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers greater than 100.",
+    "Translate 'good morning' into Spanish and German.",
+    "def fib(n):\n    # complete this Python function",
+    "Explain in one sentence why the sky is blue.",
+    "Quel est le plus long fleuve du monde ?",
+    "Give me a JSON object with keys name and age.",
+]
+
+
+# --------------------------------------------------------------------------- the real SmolLM2
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_intra_op_thread():
+    """This module is dominated by small CPU matmuls on 2 shared cores; with a second
+    OpenMP thread, a busy machine spends its time spinning at barriers (measured: HF
+    generate 4x slower in wall time, 4x the CPU time)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm() -> LLM:
+    return LLM(kv_cache_memory=KV_BYTES, max_model_len=1024)
+
+
+@pytest.fixture(scope="module")
+def chat_prompts(smollm2_llm) -> list[list[int]]:
+    return [smollm2_llm.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(smollm2_llm, chat_prompts):
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, logprobs=0)
+    return smollm2_llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_parity_with_transformers(smollm2_path, chat_prompts, greedy_outputs) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
+                                                 gguf_file=os.path.basename(smollm2_path),
+                                                 dtype=torch.float32).eval()
+    eos = model.config.eos_token_id
+    for i, (prompt, out) in enumerate(zip(chat_prompts, greedy_outputs)):
+        with torch.no_grad():
+            full = model.generate(torch.tensor([prompt]), max_new_tokens=NUM_TOKENS, do_sample=False,
+                                  pad_token_id=eos, eos_token_id=eos)[0, len(prompt):].tolist()
+        expected = full[:full.index(eos) + 1] if eos in full else full
+        assert out.outputs[0].token_ids == expected, f"chat {i} ({CHATS[i]!r}) differs from transformers"
+    assert len({tuple(o.outputs[0].token_ids) for o in greedy_outputs}) == len(CHATS)
+
+
+def test_smollm2_knows_paris(smollm2_llm) -> None:
+    out = smollm2_llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                           SamplingParams(temperature=0, max_tokens=32), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+@pytest.mark.slow
+def test_smollm2_keep_quantized_matches_dequantized(chat_prompts, greedy_outputs) -> None:
+    """Same float32 weights, dequantized per call instead of once: same greedy tokens,
+    logprobs within LOGPROB_ATOL; weights take a third of the memory. Every step
+    dequantizes all linear weights, so this compares the first KEEP_TOKENS tokens."""
+    llm = LLM(kv_cache_memory=KV_BYTES, max_model_len=1024, plugin_options={"gguf_keep_quantized": True})
+    model = llm.engine.worker.model
+    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert weight_bytes < 200 * 2**20  # vs 513 MiB dequantized (the Q8_0 embedding is 108 MiB of it)
+    params = SamplingParams(temperature=0, max_tokens=KEEP_TOKENS, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
+    for got, ref in zip(outputs, greedy_outputs):
+        assert got.outputs[0].token_ids == ref.outputs[0].token_ids[:KEEP_TOKENS]
+        for step_got, step_ref in zip(got.outputs[0].logprobs, ref.outputs[0].logprobs):
+            for token_id, lp in step_got.items():
+                assert lp.logprob == pytest.approx(step_ref[token_id].logprob, abs=LOGPROB_ATOL)
+
+
+def test_smollm2_config_and_format(smollm2_path) -> None:
+    fmt = GGUFFormat(smollm2_path)
+    assert GGUFFormat.detect(smollm2_path) and fmt.quantization() is None
+    cfg = fmt.hf_config()
+    assert cfg.architectures == ["LlamaForCausalLM"]
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (576, 30, 9, 3)
+    assert cfg.tie_word_embeddings and cfg.vocab_size == 49152 and cfg.eos_token_id == 2
+    assert GGUFFormat(smollm2_path, {"gguf_keep_quantized": True}).quantization() == "gguf"
+
+
+# --------------------------------------------------------------------------- tiny files we write
+
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+_LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def _gguf_name(name: str) -> str:
+    if name in _GLOBAL:
+        return _GLOBAL[name]
+    _, _, layer, rest = name.split(".", 3)
+    part, kind = rest.rsplit(".", 1)
+    return f"blk.{layer}.{_LAYER[part]}.{kind}"
+
+
+def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """What llama.cpp's converter does to Llama q/k rows (pair the rotary halves)."""
+    return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: Path, path: Path, arch: str, linear_type=T.F32, extra_tensors=(), arch_name=None) -> Path:
+    """Convert a tiny Hugging Face model to GGUF the way llama.cpp would (no tokenizer)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    state = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), arch_name or arch)
+    writer.add_block_count(cfg["num_hidden_layers"])
+    writer.add_context_length(cfg["max_position_embeddings"])
+    writer.add_embedding_length(cfg["hidden_size"])
+    writer.add_feed_forward_length(cfg["intermediate_size"])
+    writer.add_head_count(cfg["num_attention_heads"])
+    writer.add_head_count_kv(cfg["num_key_value_heads"])
+    writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    writer.add_rope_freq_base(cfg.get("rope_theta") or cfg["rope_parameters"]["rope_theta"])
+    writer.add_vocab_size(cfg["vocab_size"])
+    writer.add_bos_token_id(cfg["bos_token_id"])
+    writer.add_eos_token_id(cfg["eos_token_id"])
+    if cfg.get("head_dim"):
+        writer.add_key_length(cfg["head_dim"])
+    for name, tensor in state.items():
+        if name == "lm_head.weight" and cfg.get("tie_word_embeddings"):
+            continue
+        x = tensor.float().numpy()
+        if arch == "llama" and ("q_proj" in name or "k_proj" in name):
+            x = _llama_cpp_permute(x, cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"])
+        is_linear = name.endswith("proj.weight")
+        if is_linear and linear_type != T.F32:
+            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(x, linear_type), raw_dtype=linear_type)
+        else:
+            writer.add_tensor(_gguf_name(name), x)
+    for name, data, qtype in extra_tensors:
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tiny_llm(path: Path, hf_dir: Path, **kwargs) -> LLM:
+    return LLM(str(path), tokenizer=str(hf_dir), kv_cache_memory=1 << 22, dtype="float32", **kwargs)
+
+
+def _greedy(llm: LLM, prompts: list[list[int]], num_tokens: int = 12):
+    params = SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True, logprobs=0)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+TINY_PROMPTS = [[5, 17, 99, 3], [200, 201, 7, 7, 7, 310, 12, 44, 45], [400]]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_tiny_gguf_matches_its_hf_directory(tiny_model_dir, tmp_path, arch) -> None:
+    from safetensors.torch import load_file
+
+    hf_dir = tiny_model_dir(arch)
+    path = write_gguf(hf_dir, tmp_path / "tiny.gguf", arch)
+    state = load_file(str(hf_dir / "model.safetensors"))
+    loaded = dict(GGUFFormat(str(path)).weights())
+    assert set(loaded) == set(state) - ({"lm_head.weight"} if arch == "llama" else set())
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor, state[name].float()), name  # names and q/k un-permutation are exact
+    got = _greedy(_tiny_llm(path, hf_dir), TINY_PROMPTS)
+    ref = _greedy(LLM(str(hf_dir), kv_cache_memory=1 << 22, dtype="float32"), TINY_PROMPTS)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_tiny_keep_quantized_q8_0_matches_dequantized(tiny_model_dir, tmp_path) -> None:
+    hf_dir = tiny_model_dir("qwen2")  # untied head, q/k/v biases: fused shards + bias loading
+    path = write_gguf(hf_dir, tmp_path / "tiny-q8.gguf", "qwen2", linear_type=T.Q8_0)
+    dense = _greedy(_tiny_llm(path, hf_dir), TINY_PROMPTS)
+    keep_llm = _tiny_llm(path, hf_dir, plugin_options={"gguf_keep_quantized": True})
+    assert keep_llm.engine.worker.model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.uint8
+    kept = _greedy(keep_llm, TINY_PROMPTS)
+    for a, b in zip(kept, dense):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for row_a, row_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token_id, lp in row_a.items():
+                assert lp.logprob == pytest.approx(row_b[token_id].logprob, abs=LOGPROB_ATOL)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.fixture
+def tiny_gguf(tiny_model_dir, tmp_path) -> tuple[Path, Path]:
+    hf_dir = tiny_model_dir("llama")
+    return write_gguf(hf_dir, tmp_path / "tiny.gguf", "llama"), hf_dir
+
+
+@pytest.mark.parametrize("keep_bytes", [100, 0.6], ids=["in-header", "in-tensor-data"])
+def test_truncated_file_is_named(tiny_gguf, tmp_path, keep_bytes) -> None:
+    path, hf_dir = tiny_gguf
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:keep_bytes if isinstance(keep_bytes, int) else int(len(data) * keep_bytes)])
+    with pytest.raises(ValueError, match=rf"{cut}: GGUF file is truncated"):
+        _tiny_llm(cut, hf_dir)
+
+
+def test_not_a_gguf_file(tmp_path) -> None:
+    fake = tmp_path / "fake.gguf"
+    fake.write_bytes(b"PK\x03\x04" + bytes(100))
+    assert not GGUFFormat.detect(str(fake))
+    with pytest.raises(GGUFError, match=rf"{fake}: not a GGUF file"):
+        GGUFFormat(str(fake)).hf_config()
+
+
+def test_unsupported_tensor_type_is_named(tiny_model_dir, tmp_path) -> None:
+    hf_dir = tiny_model_dir("llama")
+    raw = np.zeros((4, 2 * 18), dtype=np.uint8)  # 4 rows of 2 IQ4_NL blocks
+    path = write_gguf(hf_dir, tmp_path / "iq.gguf", "llama", extra_tensors=[("blk.0.extra.weight", raw, T.IQ4_NL)])
+    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.extra\.weight' has tensor type IQ4_NL.*supported: F32"):
+        _tiny_llm(path, hf_dir)
+
+
+def test_unsupported_architecture_lists_supported(tiny_model_dir, tmp_path) -> None:
+    hf_dir = tiny_model_dir("llama")
+    path = write_gguf(hf_dir, tmp_path / "gpt2.gguf", "llama", arch_name="gpt2")
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: llama, qwen2, qwen3"):
+        _tiny_llm(path, hf_dir)
+
+
+def test_keep_quantized_cli_flag() -> None:
+    import argparse
+
+    from pagedllm.plugins import quant
+
+    parser = argparse.ArgumentParser()
+    quant.pagedllm_add_cli_args(parser)
+    assert parser.parse_args(["--gguf-keep-quantized"]).gguf_keep_quantized is True
+    assert parser.parse_args([]).gguf_keep_quantized is False
+
+
+def test_copy_of_smollm2_detected_by_magic_not_name(smollm2_path, tmp_path) -> None:
+    renamed = tmp_path / "model.bin"
+    os.symlink(smollm2_path, renamed)
+    assert not GGUFFormat.detect(str(renamed))  # load_format="auto" needs the .gguf suffix too
+
+
+def test_chat_cli_streams_a_conversation(smollm2_llm) -> None:
+    """`pagedllm chat` on the default model: scripted input, streamed answers, commands."""
+    import argparse
+    import io
+
+    from pagedllm.chat_cli import run_chat
+
+    lines = iter(["What is the capital of France?", "/bogus", "/system Answer in one word.", "/reset",
+                  "And of Italy?", "/exit"])
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return super().write(text)
+
+    out = Recorder()
+    args = argparse.Namespace(model=None, temperature=0.0, max_tokens=16)
+    assert run_chat(args, llm=smollm2_llm, input_fn=lambda prompt: next(lines), out=out) == 0
+    text = out.getvalue()
+    assert "Paris" in text and "unknown command '/bogus'" in text
+    assert "(system prompt set)" in text and "(conversation cleared)" in text
+    assert len(writes) > 10  # streamed piece by piece, not one write per answer
