@@ -198,6 +198,8 @@ def test_unknown_architecture(tiny_model_dir, tmp_path):
 def test_unavailable_backend(tiny_model_dir):
     with pytest.raises(ValueError, match=r"unknown attention backend 'NOPE'.*TORCH"):
         new_llm(tiny_model_dir("llama"), attention_backend="NOPE")
+    with pytest.raises(ValueError, match=r"FLASH_ATTN cannot run here: .*Backends that can: .*TORCH"):
+        new_llm(tiny_model_dir("llama"), attention_backend="FLASH_ATTN")
 
 
 def test_memory_error_says_what_to_change(tiny_model_dir):

@@ -65,7 +65,7 @@ class ModelConfig:
 
 @dataclass
 class CacheConfig:
-    block_size: int = opt(16, "Tokens per KV-cache block.", "cache", choices=[8, 16, 32, 64, 128])
+    block_size: int = opt(16, "Tokens per KV-cache block.", "cache", choices=[8, 16, 32, 64, 128, 256])
     enable_prefix_caching: bool = opt(True, "Reuse KV blocks of shared prompt prefixes.", "cache")
     gpu_memory_utilization: float = opt(0.9, "Fraction of GPU memory the engine may use.", "cache")
     kv_cache_memory: int | None = opt(None, "KV-cache size in bytes (overrides the profiled size; "

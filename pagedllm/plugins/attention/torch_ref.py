@@ -76,10 +76,12 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     key_cache = kv_cache[0].view(-1, num_kv_heads, head_size)
     value_cache = kv_cache[1].view(-1, num_kv_heads, head_size)
     if kv_cache.dtype in KV_CACHE_TORCH_DTYPES.values():
-        k = (k.float() / k_scale).to(kv_cache.dtype)
-        v = (v.float() / v_scale).to(kv_cache.dtype)
-    key_cache.index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    value_cache.index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+        # index_copy_ has no float8 CPU kernel; the same bytes go through uint8 views
+        k = (k.float() / k_scale).to(kv_cache.dtype).view(torch.uint8)
+        v = (v.float() / v_scale).to(kv_cache.dtype).view(torch.uint8)
+        key_cache, value_cache = key_cache.view(torch.uint8), value_cache.view(torch.uint8)
+    key_cache.index_copy_(0, slot_mapping, k.to(key_cache.dtype))
+    value_cache.index_copy_(0, slot_mapping, v.to(value_cache.dtype))
 
 
 class TorchAttentionImpl(AttentionImpl):
