@@ -21,6 +21,7 @@ import typing
 from typing import Any, Callable, NoReturn, Sequence
 
 from pagedllm.core.config import CONCERNS, EngineConfig
+from pagedllm.core.logs import setup_logging
 
 logger = logging.getLogger("pagedllm")
 
@@ -152,30 +153,6 @@ def _fail(parser: argparse.ArgumentParser, exc: BaseException | str) -> NoReturn
     """A configuration problem: one line, exit status 2 (argparse's usage-error status), no
     traceback and no usage dump — the message already names the flag to change."""
     parser.exit(2, f"{parser.prog}: error: {exc}\n")
-
-
-class _StderrHandler(logging.StreamHandler):
-    """Writes to whatever sys.stderr is at the time (it may be swapped after set-up)."""
-
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass
-
-
-def setup_logging() -> None:
-    """Log pagedllm's records to stderr at PAGEDLLM_LOGGING_LEVEL (once per process)."""
-    from pagedllm.core import envs
-
-    root = logging.getLogger("pagedllm")
-    if not root.handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-        root.addHandler(handler)
-        root.setLevel((envs.get("PAGEDLLM_LOGGING_LEVEL") or "INFO").upper())
 
 
 def log_config(config: EngineConfig, extra: dict[str, Any] | None = None) -> None:

@@ -2,25 +2,14 @@
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Sequence
 
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.engine import LLMEngine
+from pagedllm.core.logs import setup_logging
 from pagedllm.core.request import RequestOutput, SamplingParams
 
 PromptType = str | dict[str, Any]
-
-
-def _setup_logging() -> None:
-    from pagedllm.core import envs
-
-    logger = logging.getLogger("pagedllm")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s", "%H:%M:%S"))
-        logger.addHandler(handler)
-        logger.setLevel((envs.get("PAGEDLLM_LOGGING_LEVEL") or "INFO").upper())
 
 
 class LLM:
@@ -38,7 +27,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        _setup_logging()
+        setup_logging()
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.engine = LLMEngine(self.config)
 
