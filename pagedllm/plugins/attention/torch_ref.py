@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from pagedllm.core.contracts import (
     AttentionBackend,
@@ -95,9 +96,14 @@ class TorchAttentionImpl(AttentionImpl):
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, Q, H, D], k/v [B, K, KVH, D], mask [B, Q, K] (True = attend) -> [B, Q, H, D].
 
-        Grouped-query attention without repeating K/V: query heads are viewed as
-        [KVH, group] so each K/V head is read once per group.
+        torch's fused SDPA (grouped-query heads share K/V, no repeat) unless soft-capping
+        is asked, which SDPA cannot express; then the explicit computation below.
         """
+        if not self.logits_soft_cap:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 attn_mask=mask.unsqueeze(1), scale=self.scale,
+                                                 enable_gqa=k.shape[2] != q.shape[2])
+            return out.transpose(1, 2)
         b, nq, h, d = q.shape
         kvh = k.shape[2]
         group = h // kvh
@@ -122,7 +128,10 @@ class TorchAttentionImpl(AttentionImpl):
                 k_pos = torch.arange(g.slots.shape[1], device=q.device)
                 mask = mask & (k_pos[None, None, :] > g.q_pos[:, :, None] - self.sliding_window)
             qg = q[g.rows].view(g.q_pos.shape[0], g.q_pos.shape[1], *q.shape[1:])
-            out[g.rows] = self._attend(qg, keys, values, mask).view(-1, *q.shape[1:])
+            result = self._attend(qg, keys, values, mask).reshape(-1, *q.shape[1:])
+            if len(metadata.groups) == 1:
+                return result  # one group covers every row in order (all decodes, or one prefill)
+            out[g.rows] = result
         return out
 
 
