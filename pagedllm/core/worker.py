@@ -85,7 +85,7 @@ class Worker:
                 raise ValueError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
         kv_dtype_name = config.cache.kv_cache_dtype
         self.kv_dtype = kv_cache_torch_dtype(kv_dtype_name, self.dtype)
-        probe = self._spec_for(model_cls, source.hf_config)
+        probe = self._spec_for(source.hf_config)
         requested, decided_by = _requested_backend(config)
         self.backend = registry.attention_backend(requested, probe)
         logger.info("attention backend %s (%s)", self.backend.name, decided_by)
@@ -122,7 +122,8 @@ class Worker:
                 tensor = tensor.to(self.dtype)
             yield name, tensor
 
-    def _spec_for(self, model_cls, hf_config) -> AttentionSpec:
+    def _spec_for(self, hf_config: Any) -> AttentionSpec:
+        """The attention facts from the HF config, to pick a backend before the model exists."""
         num_heads = hf_config.num_attention_heads
         head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
         num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
@@ -158,7 +159,7 @@ class Worker:
         scratch = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        layout = self._layout([list(range(num_tokens))], [0], [num_tokens], [list(range(num_blocks))])
+        layout = self._layout([[0] * num_tokens], [0], [num_tokens], [list(range(num_blocks))])
         with torch.inference_mode():
             hidden = self.model(layout.input_ids, layout.positions,
                                 AttentionContext(self.builder.build(layout), scratch))
