@@ -28,7 +28,7 @@ class AttentionGroup:
     """Rows of q that attend together: the cache slots they read and who may see what."""
 
     rows: torch.Tensor | slice  # token rows of q / out
-    slots: torch.Tensor  # [B, K] flat cache slots to read (padding reads slot 0, masked)
+    blocks: torch.Tensor  # [B, N] cache blocks to read, whole (K = N * block_size keys; padding masked)
     q_pos: torch.Tensor  # [B, Q] absolute position of each query
     mask: torch.Tensor  # [B, Q, K] causal and length mask (True = attend)
 
@@ -43,13 +43,13 @@ def _group(layout: BatchLayout, reqs: list[int], rows: torch.Tensor | slice, q_l
     device = layout.block_tables.device
     bs = layout.block_size
     seq_lens = layout.seq_lens[reqs].long()
-    max_len = int(layout.seq_lens_cpu[reqs].max())
-    k_pos = torch.arange(max_len, device=device)
-    tables = layout.block_tables[reqs].long()
-    slots = tables.gather(1, (k_pos // bs).expand(len(reqs), -1)) * bs + k_pos % bs
+    num_blocks = -(-int(layout.seq_lens_cpu[reqs].max()) // bs)
+    # whole blocks are gathered (a few large copies beat one small copy per token)
+    blocks = layout.block_tables[reqs, :num_blocks].long()
+    k_pos = torch.arange(num_blocks * bs, device=device)
     q_pos = (seq_lens - q_len)[:, None] + torch.arange(q_len, device=device)[None, :]
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < seq_lens[:, None, None])
-    return AttentionGroup(rows, slots, q_pos, mask)
+    return AttentionGroup(rows, blocks, q_pos, mask)
 
 
 class TorchMetadataBuilder(AttentionMetadataBuilder):
@@ -86,9 +86,9 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
 
 
 class TorchAttentionImpl(AttentionImpl):
-    def _read(self, cache: torch.Tensor, slots: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-        """[B, K, kvh, D] keys or values at `slots`, dequantized when the cache is FP8."""
-        x = cache.view(-1, *cache.shape[-2:])[slots]
+    def _read(self, cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+        """[B, N * block_size, kvh, D] keys or values of `blocks`, dequantized when FP8."""
+        x = cache[blocks].flatten(1, 2)
         if cache.dtype in KV_CACHE_TORCH_DTYPES.values():
             return x.to(torch.float32).mul_(scale).to(dtype)
         return x
@@ -121,11 +121,11 @@ class TorchAttentionImpl(AttentionImpl):
         write_kv(kv_cache, k, v, metadata.layout.slot_mapping, self.k_scale, self.v_scale)
         out = torch.empty_like(q)
         for g in metadata.groups:
-            keys = self._read(kv_cache[0], g.slots, self.k_scale, q.dtype)
-            values = self._read(kv_cache[1], g.slots, self.v_scale, q.dtype)
+            keys = self._read(kv_cache[0], g.blocks, self.k_scale, q.dtype)
+            values = self._read(kv_cache[1], g.blocks, self.v_scale, q.dtype)
             mask = g.mask
             if self.sliding_window:
-                k_pos = torch.arange(g.slots.shape[1], device=q.device)
+                k_pos = torch.arange(keys.shape[1], device=q.device)
                 mask = mask & (k_pos[None, None, :] > g.q_pos[:, :, None] - self.sliding_window)
             qg = q[g.rows].view(g.q_pos.shape[0], g.q_pos.shape[1], *q.shape[1:])
             result = self._attend(qg, keys, values, mask).reshape(-1, *q.shape[1:])
