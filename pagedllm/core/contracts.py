@@ -71,6 +71,11 @@ class AttentionSpec:
     block_size: int
     device: torch.device
 
+    def __post_init__(self) -> None:
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
+                             "no attention backend can run this model")
+
 
 class AttentionMetadataBuilder(ABC):
     """Turns the worker's `BatchLayout` into the backend's own metadata, once per step.
@@ -143,11 +148,13 @@ class AttentionBackend(ABC):
         """
 
     @classmethod
-    @abstractmethod
     def kv_cache_shape(
         cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
     ) -> tuple[int, ...]:
-        """Shape of one layer's KV-cache tensor (K and V together)."""
+        """Shape of one layer's KV-cache tensor (K and V together). The default layout,
+        [2, num_blocks, block_size, num_kv_heads, head_size], is K then V; a backend
+        whose library wants another layout overrides this."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     @abstractmethod

@@ -86,3 +86,13 @@ def test_builtin_registry_lists_all_kinds():
         registry.quant_config("nope", {})
     with pytest.raises(ValueError, match="unknown speculative method"):
         registry.spec_method("nope")
+
+
+def test_head_counts_are_checked_once_for_every_backend():
+    import torch
+
+    from pagedllm.core.contracts import AttentionSpec
+
+    with pytest.raises(ValueError, match="num_heads 5 is not a multiple of num_kv_heads 2"):
+        AttentionSpec(num_heads=5, num_kv_heads=2, head_size=64, dtype=torch.float32, kv_cache_dtype="auto",
+                      block_size=16, device=torch.device("cpu"))

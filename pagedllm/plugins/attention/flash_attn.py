@@ -137,8 +137,6 @@ class FlashAttnBackend(AttentionBackend):
             reasons.append(f"dtype {spec.dtype} is not supported (float16 or bfloat16)")
         if spec.head_size % 8 or spec.head_size > 256:
             reasons.append(f"head size {spec.head_size} is not supported (a multiple of 8, at most 256)")
-        if spec.num_heads % spec.num_kv_heads:
-            reasons.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
         if spec.kv_cache_dtype != "auto":
             reasons.append(f"FLASH_ATTN has no FP8 KV cache (kv_cache_dtype={spec.kv_cache_dtype!r}); use "
                            "kv_cache_dtype='auto', or FLASHINFER / TRITON for an FP8 cache")
@@ -147,11 +145,6 @@ class FlashAttnBackend(AttentionBackend):
             reasons.append(f"flash-attn 2 needs the paged-cache block size to be a multiple of {PAGE_SIZE_MULTIPLE} "
                            f"(got block_size={spec.block_size}); run with --block-size {suggested}")
         return reasons
-
-    @classmethod
-    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     def builder_cls(cls) -> type[AttentionMetadataBuilder]:

@@ -199,8 +199,6 @@ class FlashInferBackend(AttentionBackend):
         if spec.head_size not in SUPPORTED_HEAD_SIZES:
             reasons.append(f"head size {spec.head_size} is not supported "
                            f"({', '.join(map(str, SUPPORTED_HEAD_SIZES))})")
-        if spec.num_heads % spec.num_kv_heads:
-            reasons.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
         if spec.kv_cache_dtype != "auto" and spec.kv_cache_dtype not in KV_CACHE_TORCH_DTYPES:
             reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype!r} is not one of auto, "
                            + ", ".join(KV_CACHE_TORCH_DTYPES))

@@ -142,14 +142,7 @@ class TorchBackend(AttentionBackend):
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:
-        reasons = []
-        if spec.num_heads % spec.num_kv_heads:
-            reasons.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
-        return reasons
-
-    @classmethod
-    def kv_cache_shape(cls, num_blocks, block_size, num_kv_heads, head_size):
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
+        return []  # plain torch runs every dtype, head size and block size on CPU and CUDA
 
     @classmethod
     def builder_cls(cls):

@@ -169,17 +169,10 @@ class TritonBackend(AttentionBackend):
             reasons.append(f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)")
         if not MIN_HEAD_SIZE <= spec.head_size <= MAX_HEAD_SIZE:
             reasons.append(f"head size {spec.head_size} is not supported ({MIN_HEAD_SIZE}..{MAX_HEAD_SIZE})")
-        if spec.num_heads % spec.num_kv_heads:
-            reasons.append(f"num_heads {spec.num_heads} is not a multiple of num_kv_heads {spec.num_kv_heads}")
         fp8 = _fp8_reason(spec)
         if fp8:
             reasons.append(fp8)
         return reasons
-
-    @classmethod
-    def kv_cache_shape(cls, num_blocks: int, block_size: int, num_kv_heads: int,
-                       head_size: int) -> tuple[int, ...]:
-        return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
     def builder_cls(cls) -> type[AttentionMetadataBuilder]:
