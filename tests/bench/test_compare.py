@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from pagedllm.bench import build_parser, main
-from pagedllm.bench.compare import NOT_INSTALLED, EngineResult, table
+from pagedllm.bench.compare import EngineResult, table
+from pagedllm.bench.peers import NOT_INSTALLED
 
 
 def test_missing_peers_are_reported_not_installed(tiny_model_dir: Callable[..., Any], tmp_path: Path,
