@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
-import threading
-import time
 from typing import Any, Iterator
 
 import pytest
+
+from tests._uvicorn import serve_in_thread
 
 FAIL_TOKEN = 999_999
 CHUNK_DELAY_S = 0.004
@@ -67,25 +66,6 @@ class FakeServer:
 
 @pytest.fixture(scope="module")
 def fake_server() -> Iterator[FakeServer]:
-    import uvicorn
-
     received: list[dict[str, Any]] = []
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(fake_openai_app(received), log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=1))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="fake-openai", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 20
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("the fake server did not start")
-            time.sleep(0.01)
-        yield FakeServer(f"http://127.0.0.1:{port}", received)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
+    with serve_in_thread(fake_openai_app(received), start_timeout=20) as url:
+        yield FakeServer(url, received)

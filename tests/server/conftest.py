@@ -7,8 +7,6 @@ the official `openai` client and httpx do in production.
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -20,6 +18,7 @@ import pytest
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.engine import AsyncLLMEngine
 from pagedllm.server.app import ServerSettings, build_app
+from tests._uvicorn import serve_in_thread
 
 MODEL_NAME = "tiny"
 API_KEY = "test-key"
@@ -53,32 +52,6 @@ class LiveServer:
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine still busy: {core.num_running} running, {core.num_waiting} waiting")
             time.sleep(0.02)
-
-
-@contextmanager
-def serve_in_thread(app: Any) -> Iterator[str]:
-    """Run `app` under uvicorn on a free port; yields the base URL, stops the server after."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=2))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            if not thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("uvicorn did not start")
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=10)
-        sock.close()
 
 
 @pytest.fixture(scope="session")
