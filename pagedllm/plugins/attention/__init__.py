@@ -11,6 +11,7 @@ from pagedllm import hookimpl
 
 @hookimpl
 def pagedllm_attention_backends():
+    from pagedllm.plugins.attention.cpu_attn import CpuAttnBackend
     from pagedllm.plugins.attention.flash_attn import FlashAttnBackend
     from pagedllm.plugins.attention.flashinfer import FlashInferBackend
     from pagedllm.plugins.attention.torch_ref import TorchBackend
@@ -18,6 +19,7 @@ def pagedllm_attention_backends():
 
     return {
         "TORCH": TorchBackend,
+        "CPU_ATTN": CpuAttnBackend,
         "TRITON": TritonBackend,
         "FLASH_ATTN": FlashAttnBackend,
         "FLASHINFER": FlashInferBackend,

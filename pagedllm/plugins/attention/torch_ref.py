@@ -119,8 +119,12 @@ class TorchAttentionImpl(AttentionImpl):
 
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata):
         write_kv(kv_cache, k, v, metadata.layout.slot_mapping, self.k_scale, self.v_scale)
-        out = torch.empty_like(q)
-        for g in metadata.groups:
+        return self.attend_groups(q, kv_cache, metadata.groups, torch.empty_like(q))
+
+    def attend_groups(self, q: torch.Tensor, kv_cache: torch.Tensor, groups: list[AttentionGroup],
+                      out: torch.Tensor) -> torch.Tensor:
+        """Fill out[g.rows] for every group (the KV cache already holds this step's keys)."""
+        for g in groups:
             keys = self._read(kv_cache[0], g.blocks, self.k_scale, q.dtype)
             values = self._read(kv_cache[1], g.blocks, self.v_scale, q.dtype)
             mask = g.mask
@@ -129,7 +133,7 @@ class TorchAttentionImpl(AttentionImpl):
                 mask = mask & (k_pos[None, None, :] > g.q_pos[:, :, None] - self.sliding_window)
             qg = q[g.rows].view(g.q_pos.shape[0], g.q_pos.shape[1], *q.shape[1:])
             result = self._attend(qg, keys, values, mask).reshape(-1, *q.shape[1:])
-            if len(metadata.groups) == 1:
+            if len(groups) == 1 and result.shape[0] == out.shape[0]:
                 return result  # one group covers every row in order (all decodes, or one prefill)
             out[g.rows] = result
         return out

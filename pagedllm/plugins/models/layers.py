@@ -19,10 +19,12 @@ from torch import nn
 from pagedllm.core.contracts import (
     AttentionContext,
     AttentionSpec,
+    EmbeddingMethod,
     LinearMethod,
     ModelContext,
     QuantConfig,
 )
+from pagedllm.plugins.cpu import native
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -98,7 +100,18 @@ class RMSNorm(nn.Module):
         self._weight_version = -1
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
+
+        float32 rows on the CPU take the native kernel (add and norm in one pass; the
+        residual tensor is updated in place, it is never shared)."""
+        if x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and native.available():
+            if self._weight is None or self._weight_version != self.weight._version:
+                self._weight = (self.weight.float() + self.offset).contiguous()
+                self._weight_version = self.weight._version
+            if residual is None:
+                return native.rms_norm(x.contiguous(), self._weight, self.eps)
+            residual = residual.contiguous()
+            return native.rms_norm(x.contiguous(), self._weight, self.eps, residual), residual
         if residual is not None:
             x = x + residual
             residual = x
@@ -108,6 +121,14 @@ class RMSNorm(nn.Module):
             self._weight_version = self.weight._version
         out = F.rms_norm(x.float(), (x.shape[-1],), self._weight, self.eps).to(x.dtype)
         return out if residual is None else (out, residual)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dim (the fused gate_up output)."""
+    if x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and native.available():
+        return native.silu_mul(x.contiguous())
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
@@ -161,6 +182,25 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
     @staticmethod
+    def rotate_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                   cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Split a fused qkv output [T, (H + 2 KVH) D] into q, k, v [T, heads, D], q and k
+        rotated. float32 on the CPU rotates in place inside `qkv` (one native call instead
+        of a dozen small ops); otherwise `apply` does it with torch ops."""
+        t = qkv.shape[0]
+        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+        if qkv.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.is_contiguous() and native.available():
+            cos, sin = cos_sin
+            native.rope_neox_(qkv, num_heads + num_kv_heads, head_dim, cos.view(t, -1), sin.view(t, -1))
+            return (qkv[:, :q_size].view(t, num_heads, head_dim),
+                    qkv[:, q_size:q_size + kv_size].view(t, num_kv_heads, head_dim),
+                    qkv[:, q_size + kv_size:].view(t, num_kv_heads, head_dim))
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        qk = RotaryEmbedding.apply(torch.cat((q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim)),
+                                             dim=1), cos_sin)
+        return qk[:, :num_heads], qk[:, num_heads:], v.view(t, num_kv_heads, head_dim)
+
+    @staticmethod
     def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         """Rotate x [T, H, D] in float32; returns x's dtype."""
         cos, sin = cos_sin
@@ -189,17 +229,40 @@ class Attention(nn.Module):
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
 
+class UnquantizedEmbeddingMethod(EmbeddingMethod):
+    """One dense [vocab, hidden] tensor in the compute dtype."""
+
+    def create_weights(self, layer, vocab_size, hidden_size, params_dtype):
+        layer.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype), requires_grad=False)
+
+    def embed(self, layer, input_ids):
+        return F.embedding(input_ids, layer.weight)
+
+    def logits(self, layer, x):
+        return F.linear(x, layer.weight)
+
+
 class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype) -> None:
+    """The token embedding, or an untied lm_head: `forward` looks rows up, `logits`
+    multiplies by the same matrix."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
+                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
+        self.prefix = prefix
+        method = quant_config.embedding_method(prefix) if quant_config is not None else None
+        self.method: EmbeddingMethod = method or UnquantizedEmbeddingMethod()
+        self.method.create_weights(self, vocab_size, hidden_size, dtype)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.weight)
+        return self.method.embed(self, input_ids)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.method.logits(self, x)
 
 
 def process_weights_after_loading(model: nn.Module) -> None:
     """Give every linear method its one chance to repack loaded weights."""
     for module in model.modules():
-        if isinstance(module, Linear):
+        if isinstance(module, (Linear, VocabEmbedding)):
             module.method.process_after_loading(module)

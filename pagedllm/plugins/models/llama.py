@@ -10,7 +10,6 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.core.contracts import AttentionContext, CausalLM, KVCacheSpec, ModelContext
@@ -23,6 +22,7 @@ from pagedllm.plugins.models.layers import (
     load_shard,
     process_weights_after_loading,
     rope_parameters,
+    silu_and_mul,
 )
 
 
@@ -52,12 +52,15 @@ class LlamaAttention(nn.Module):
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 attn: AttentionContext) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
+        qkv = self.qkv_proj(x)
+        if not self.qk_norm:
+            q, k, v = RotaryEmbedding.rotate_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope)
+            return self.o_proj(self.attn(q, k, v, attn))
+        q, k, v = qkv.split(self.sizes, dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.q_norm(q), self.k_norm(k)
         qk = RotaryEmbedding.apply(torch.cat((q, k), dim=1), rope)
         q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
         return self.o_proj(self.attn(q, k, v, attn))
@@ -76,8 +79,7 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama family (silu only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -104,7 +106,8 @@ class LlamaModel(nn.Module):
     def __init__(self, ctx: ModelContext, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.quant_config,
+                                           "model.embed_tokens")
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(ctx, i, f"model.layers.{i}", qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers)
         )
@@ -140,14 +143,15 @@ class LlamaForCausalLM(CausalLM):
         self.model = LlamaModel(context, qkv_bias=bias, qk_norm=self.qk_norm)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
-            self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, context.dtype)
+            self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, context.dtype, context.quant_config,
+                                          "lm_head")
 
     def forward(self, input_ids, positions, attn):
         return self.model(input_ids, positions, attn)
 
     def compute_logits(self, hidden_states):
         head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
-        return F.linear(hidden_states, head.weight).float()
+        return head.logits(hidden_states).float()
 
     def kv_cache_spec(self) -> KVCacheSpec:
         cfg = self.context.hf_config

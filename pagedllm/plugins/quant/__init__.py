@@ -40,5 +40,6 @@ def pagedllm_checkpoint_formats():
 def pagedllm_add_cli_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--gguf-keep-quantized", action="store_true", dest="gguf_keep_quantized", default=False,
-        help="Keep GGUF linear weights as quantized blocks and dequantize them per layer on the fly "
-             "(less memory, slower); by default GGUF weights are dequantized once at load.")
+        help="Keep GGUF weights only as quantized blocks (memory stays at the file's size; the native CPU "
+             "kernels read Q4_0/Q4_1/Q8_0 directly, other types are dequantized per call). By default a dense "
+             "float copy is made at load as well, for large batches.")

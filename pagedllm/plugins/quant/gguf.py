@@ -3,11 +3,10 @@
 `GGUFFormat` turns the file into what the engine reads from a Hugging Face directory: a
 transformers config built from the GGUF metadata, a tokenizer built from the embedded
 vocabulary, and (name, tensor) pairs under Hugging Face parameter names, so the model
-plugins load it unchanged. Two modes:
-
-* default: every tensor is dequantized to float32 at load (the engine then casts).
-* `gguf_keep_quantized` (`--gguf-keep-quantized`): linear weights stay raw ggml blocks
-  and `GGUFConfig`'s linear method dequantizes them per call (see gguf_linear.py).
+plugins load it unchanged. Quantized linear and embedding weights arrive as raw ggml
+blocks and `GGUFConfig` (quantization "gguf", always chosen for a GGUF file) decides
+what to keep; see gguf_linear.py for its two modes (default: a dense float copy plus the
+blocks for the native CPU kernels; `--gguf-keep-quantized`: the blocks only).
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (it pairs rotary
 halves for its interleaved RoPE); we undo that so the weights match Hugging Face's.
@@ -50,6 +49,7 @@ _LAYER_NAMES = {
     "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
+_EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
 _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
@@ -90,10 +90,6 @@ class GGUFFormat(CheckpointFormat):
     @functools.cached_property
     def file(self) -> GGUFFile:
         return GGUFFile(self.path)
-
-    @property
-    def keep_quantized(self) -> bool:
-        return bool(self.options.get("gguf_keep_quantized"))
 
     @functools.cached_property
     def arch(self) -> str:
@@ -154,7 +150,7 @@ class GGUFFormat(CheckpointFormat):
         return build_tokenizer(self.file.metadata, self.path)
 
     def quantization(self) -> str | None:
-        return "gguf" if self.keep_quantized else None
+        return "gguf"
 
     def _permute_heads(self, name: str) -> int | None:
         if not ARCHITECTURES[self.arch].permute_qk:
@@ -167,15 +163,15 @@ class GGUFFormat(CheckpointFormat):
         return None
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor under its HF name: float32, or (keep-quantized linear weights)
-        raw uint8 rows tagged by `gguf_linear.tag_raw`. Tensors are fresh copies."""
+        """Every tensor under its HF name: float32, or (quantized linear and embedding
+        weights) raw uint8 rows tagged by `gguf_linear.tag_raw`. Tensors are fresh copies."""
         self.hf_config()  # fail on an unsupported file before streaming anything
         for gguf_name, info in self.file.tensors.items():
             name = hf_name(gguf_name, self.path)
             heads = self._permute_heads(name)
             data = self.file.tensor_bytes(gguf_name)
-            is_linear = name.endswith(".weight") and name.rsplit(".", 2)[-2] in _LINEARS
-            if self.keep_quantized and is_linear and info.qtype not in FLOAT_TYPES:
+            is_matrix = name in _EMBEDDINGS or (name.endswith(".weight") and name.rsplit(".", 2)[-2] in _LINEARS)
+            if is_matrix and info.qtype not in FLOAT_TYPES:
                 tensor = torch.from_numpy(np.array(data, copy=True)).reshape(info.shape[0], -1)
                 if heads:
                     tensor = unpermute_rows(tensor, heads)

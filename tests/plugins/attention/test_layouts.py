@@ -231,7 +231,7 @@ def test_flash_attn_impl_plumbing(make_paged_batch, monkeypatch, requests, windo
 
 def test_backends_register_without_their_libraries():
     backends = pagedllm_attention_backends()
-    assert set(backends) == {"TORCH", "TRITON", "FLASH_ATTN", "FLASHINFER"}
+    assert set(backends) == {"TORCH", "CPU_ATTN", "TRITON", "FLASH_ATTN", "FLASHINFER"}
     assert backends["FLASH_ATTN"].priority["cuda"] > backends["FLASHINFER"].priority["cuda"] \
         > backends["TRITON"].priority["cuda"] > backends["TORCH"].priority["cuda"]
     for library in ("flash_attn", "flashinfer"):

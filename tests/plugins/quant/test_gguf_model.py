@@ -96,7 +96,8 @@ def test_smollm2_keep_quantized_matches_dequantized(chat_prompts, greedy_outputs
     dequantizes all linear weights, so this compares the first KEEP_TOKENS tokens."""
     llm = LLM(kv_cache_memory=KV_BYTES, max_model_len=1024, plugin_options={"gguf_keep_quantized": True})
     model = llm.engine.worker.model
-    assert model.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.uint8
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    assert qkv.qweight.dtype == torch.uint8 and not hasattr(qkv, "weight"), "keep-quantized kept a dense copy"
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     assert weight_bytes < 200 * 2**20  # vs 513 MiB dequantized (the Q8_0 embedding is 108 MiB of it)
     params = SamplingParams(temperature=0, max_tokens=KEEP_TOKENS, logprobs=0)
@@ -110,7 +111,7 @@ def test_smollm2_keep_quantized_matches_dequantized(chat_prompts, greedy_outputs
 
 def test_smollm2_config_and_format(smollm2_path) -> None:
     fmt = GGUFFormat(smollm2_path)
-    assert GGUFFormat.detect(smollm2_path) and fmt.quantization() is None
+    assert GGUFFormat.detect(smollm2_path) and fmt.quantization() == "gguf"
     cfg = fmt.hf_config()
     assert cfg.architectures == ["LlamaForCausalLM"]
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (576, 30, 9, 3)
@@ -214,7 +215,8 @@ def test_tiny_keep_quantized_q8_0_matches_dequantized(tiny_model_dir, tmp_path) 
     path = write_gguf(hf_dir, tmp_path / "tiny-q8.gguf", "qwen2", linear_type=T.Q8_0)
     dense = _greedy(_tiny_llm(path, hf_dir), TINY_PROMPTS)
     keep_llm = _tiny_llm(path, hf_dir, plugin_options={"gguf_keep_quantized": True})
-    assert keep_llm.engine.worker.model.model.layers[1].mlp.gate_up_proj.weight.dtype == torch.uint8
+    gate_up = keep_llm.engine.worker.model.model.layers[1].mlp.gate_up_proj
+    assert gate_up.qweight.dtype == torch.uint8 and not hasattr(gate_up, "weight")
     kept = _greedy(keep_llm, TINY_PROMPTS)
     for a, b in zip(kept, dense):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

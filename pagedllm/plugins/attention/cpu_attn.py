@@ -1,0 +1,107 @@
+"""CPU_ATTN: paged attention on the CPU with the native kernel (no KV gather).
+
+The TORCH reference gathers whole blocks of every request into a padded tensor each
+layer, then runs SDPA: on a CPU, that copy is as expensive as the attention itself.
+Here the C kernel (plugins/cpu/csrc) walks each request's block table and reads keys
+and values in place, for decodes and for prefill chunks up to `NATIVE_MAX_QUERY_LEN`
+tokens; longer chunks go through the reference path, where torch's fused SDPA wins.
+Same cache layout as TORCH: [2, num_blocks, block_size, num_kv_heads, head_size].
+Float32 only (the fast dtype on CPUs without native bf16), no FP8 cache: anything else
+is refused by `check()`, so auto-selection falls back to TORCH.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagedllm.core.contracts import AttentionBackend, AttentionMetadataBuilder, AttentionSpec, BatchLayout
+from pagedllm.plugins.attention.torch_ref import AttentionGroup, TorchAttentionImpl, _group
+from pagedllm.plugins.cpu import native
+
+# Query chunks longer than this attend through torch's SDPA (see the module doc).
+NATIVE_MAX_QUERY_LEN = 256
+
+
+@dataclass
+class CpuAttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64
+    # requests the native kernel serves (see native.paged_attention)
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start: torch.Tensor
+    row_start: torch.Tensor
+    max_seq_len: int
+    long_groups: list[AttentionGroup]  # prefill chunks for the reference path
+
+    @property
+    def num_native(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class CpuMetadataBuilder(AttentionMetadataBuilder):
+    def build(self, layout: BatchLayout) -> CpuAttentionMetadata:
+        q_lens = layout.query_lens_cpu
+        qsl = layout.query_start_loc_cpu
+        long = (q_lens > NATIVE_MAX_QUERY_LEN).nonzero().flatten().tolist()
+        if not long:
+            reqs = slice(None)
+            native_lens = q_lens
+        else:
+            keep = (q_lens <= NATIVE_MAX_QUERY_LEN) & (q_lens > 0)
+            reqs = keep.nonzero().flatten()
+            native_lens = q_lens[reqs]
+        query_start = torch.zeros(native_lens.shape[0] + 1, dtype=torch.int32)
+        torch.cumsum(native_lens, 0, out=query_start[1:])
+        seq_lens_cpu = layout.seq_lens_cpu[reqs]
+        groups = [_group(layout, [i], slice(int(qsl[i]), int(qsl[i + 1])), int(q_lens[i])) for i in long]
+        return CpuAttentionMetadata(
+            slot_mapping=layout.slot_mapping,
+            block_tables=layout.block_tables[reqs].to(torch.int32).contiguous(),
+            seq_lens=seq_lens_cpu.to(torch.int32).contiguous(),
+            query_start=query_start,
+            row_start=qsl[:-1][reqs].to(torch.int32).contiguous(),
+            max_seq_len=int(seq_lens_cpu.max()) if seq_lens_cpu.numel() else 0,
+            long_groups=groups,
+        )
+
+
+class CpuAttentionImpl(TorchAttentionImpl):
+    def forward(self, q, k, v, kv_cache, metadata: CpuAttentionMetadata):
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        native.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
+        out = torch.empty(q.shape, dtype=q.dtype)
+        if metadata.num_native:
+            native.paged_attention(q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
+                                   metadata.query_start, metadata.row_start, out, self.scale,
+                                   self.sliding_window or 0, self.logits_soft_cap or 0.0, metadata.max_seq_len)
+        if metadata.long_groups:
+            out = self.attend_groups(q, kv_cache, metadata.long_groups, out)
+        return out
+
+
+class CpuAttnBackend(AttentionBackend):
+    name = "CPU_ATTN"
+    priority = {"cpu": 200}  # above TORCH (100) on the CPU whenever it can run
+
+    @classmethod
+    def check(cls, spec: AttentionSpec) -> list[str]:
+        reasons = []
+        if spec.device.type != "cpu":
+            reasons.append("runs on the CPU only")
+        if spec.dtype != torch.float32:
+            reasons.append(f"dtype {spec.dtype} (float32 only; use TORCH)")
+        if spec.kv_cache_dtype != "auto":
+            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} (float32 cache only; use TORCH for FP8)")
+        if not reasons and not native.available():
+            reasons.append("native CPU kernels unavailable (no C compiler, or PAGEDLLM_CPU_KERNELS=0)")
+        return reasons
+
+    @classmethod
+    def builder_cls(cls):
+        return CpuMetadataBuilder
+
+    @classmethod
+    def impl_cls(cls):
+        return CpuAttentionImpl

@@ -1,0 +1,538 @@
+/* Native CPU kernels for pagedllm, called through ctypes (see ../native.py).
+ *
+ * Why C and not torch ops: on a CPU, a decode step of a small model is dominated by
+ * reading weights (float32 weights are 4x the bytes of 8-bit blocks and ~6x those of
+ * 4-bit blocks) and by per-op overhead (dozens of small torch ops per layer). These
+ * kernels read ggml-quantized weights directly, attend over the paged KV cache without
+ * gathering it, and fuse the residual add into RMSNorm.
+ *
+ * Numerics: weights are dequantized exactly as gguf_dequant.py does (d*q + m is exact
+ * in float32 for 4- and 8-bit codes). The AVX2 quantized linear splits activations into
+ * two int16 terms whose error (2^-32 of the row maximum) is below float32 accumulation
+ * error (see quantize_rows_i16); everything else computes in float32 as torch would,
+ * in another summation order.
+ *
+ * Threads: OpenMP. torch's CPU wheel ships libgomp.so.1 and loads it first, so these
+ * kernels share torch's OpenMP runtime and thread count (torch.set_num_threads).
+ * Every function has a portable scalar path; the AVX2/FMA/F16C path is chosen at
+ * compile time (the library is built for the machine it runs on, -march=native).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PD_AVX2 1
+#else
+#define PD_AVX2 0
+#endif
+
+/* ggml type ids (gguf_file.py) */
+enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8 };
+
+int pd_abi_version(void) { return 1; }
+int pd_has_avx2(void) { return PD_AVX2; }
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if PD_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* ------------------------------------------------------------------ helpers */
+#if PD_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if PD_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum256(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* ------------------------------------------------------------------ quantized linear
+ * y[m, n] = sum_k x[m, k] * W[n, k], W from ggml blocks of 32 values per row:
+ * Q4_0: {f16 d; u8 qs[16]}        value = d * (q - 8)
+ * Q4_1: {f16 d; f16 m; u8 qs[16]} value = d * q + m
+ * Q8_0: {f16 d; i8 qs[32]}        value = d * q
+ * For 4-bit types, byte j holds value j (low nibble) and value j + 16 (high nibble).
+ *
+ * At load, blocks are repacked (pd_repack) into what the kernel wants to stream: the
+ * codes alone (16 or 32 bytes per block, same order), and float32 arrays of scales d
+ * and offsets m ([N, K/32]; m = -8d for Q4_0, none for Q8_0), so the inner loop does no
+ * half-float conversion and the offsets become one short dot product per output.
+ */
+static inline int block_bytes(int qtype) {
+    switch (qtype) {
+    case PD_Q4_0: return 18;
+    case PD_Q4_1: return 20;
+    case PD_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+static inline int code_bytes(int qtype) { return qtype == PD_Q8_0 ? 32 : 16; }
+
+/* One block's 32 weights as floats, exactly as gguf_dequant.py computes them. */
+static inline void dequant_block(int qtype, const uint8_t *b, float *w) {
+    float d = f16_to_f32(b);
+    if (qtype == PD_Q8_0) {
+        const int8_t *q = (const int8_t *)(b + 2);
+        for (int j = 0; j < 32; j++) w[j] = d * (float)q[j];
+        return;
+    }
+    float m = qtype == PD_Q4_1 ? f16_to_f32(b + 2) : -8.0f * d;
+    const uint8_t *qs = b + (qtype == PD_Q4_1 ? 4 : 2);
+    for (int j = 0; j < 16; j++) {
+        w[j] = fmaf((float)(qs[j] & 0x0F), d, m);
+        w[j + 16] = fmaf((float)(qs[j] >> 4), d, m);
+    }
+}
+
+/* Dense float32 [N, K] copy of raw blocks (the test oracle for the block layouts). */
+int pd_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out) {
+    int bb = block_bytes(qtype);
+    if (bb == 0 || K % 32 != 0) return -1;
+    int64_t nblocks = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t blk = 0; blk < nblocks; blk++)
+            dequant_block(qtype, w + (n * nblocks + blk) * bb, out + n * K + blk * 32);
+    return 0;
+}
+
+/* raw [N, K/32 blocks] -> codes [N, K/32, code_bytes], d [N, K/32], m [N, K/32] (m unused
+ * and may be NULL for Q8_0). */
+int pd_repack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes, float *d, float *m) {
+    int bb = block_bytes(qtype), cb = code_bytes(qtype);
+    if (bb == 0 || K % 32 != 0) return -1;
+    int64_t nb = N * (K / 32);
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = raw + b * bb;
+        d[b] = f16_to_f32(blk);
+        if (qtype == PD_Q4_1) {
+            m[b] = f16_to_f32(blk + 2);
+            memcpy(codes + b * cb, blk + 4, 16);
+        } else if (qtype == PD_Q4_0) {
+            m[b] = -8.0f * d[b];
+            memcpy(codes + b * cb, blk + 2, 16);
+        } else {
+            memcpy(codes + b * cb, blk + 2, 32);
+        }
+    }
+    return 0;
+}
+
+#if PD_AVX2
+/* Activations for the AVX2 path: weight codes are small integers, so they multiply
+ * 16-bit integers (vpmaddwd: 16 products per instruction) far faster than they convert
+ * to floats. Each row of x becomes two int16 terms with one scale per row,
+ *   x ~= 2^e * s * (xh + xl / 65534),  s = max|x 2^-e| / 32767,
+ * xh the rounded value and xl the rounded remainder: the error is at most 2^-32 of the
+ * row's largest value, below what float32 accumulation itself loses, so results match a
+ * float32 GEMM on the dequantized weights to float32 accuracy. The power of two 2^e
+ * (frexp of the row maximum) keeps s and its inverse normal floats for rows of any
+ * magnitude. Exact float block sums are kept for the offset term (value = d*q + m).
+ * Layout: per block, 32 xh then 32 xl. */
+static void quantize_rows_i16(const float *x, int64_t M, int64_t K, int16_t *xq, float *xscale, int32_t *xexp,
+                              float *xsum) {
+    int64_t nblocks = K / 32;
+#pragma omp parallel for schedule(static) if (M * K > 32768)
+    for (int64_t r = 0; r < M; r++) {
+        const float *xr = x + r * K;
+        __m256 sign = _mm256_set1_ps(-0.0f), amax = _mm256_setzero_ps();
+        for (int64_t k = 0; k < K; k += 8) amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + k)));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        int e;
+        float mx = frexpf(_mm_cvtss_f32(m4), &e); /* max|x| = mx * 2^e, mx in [0.5, 1) or 0 */
+        /* 2^-e in two factors: for rows of subnormals, 2^-e alone overflows a float */
+        float pow2a = ldexpf(1.0f, -e / 2), pow2b = ldexpf(1.0f, -e - (-e / 2)), scale = mx / 32767.0f, inv = mx > 0.0f ? 32767.0f / mx : 0.0f;
+        xscale[r] = scale;
+        xexp[r] = e;
+        __m256 vpow2a = _mm256_set1_ps(pow2a), vpow2b = _mm256_set1_ps(pow2b), vinv = _mm256_set1_ps(inv);
+        __m256 vinv_lo = _mm256_set1_ps(inv * 65534.0f), vscale = _mm256_set1_ps(scale);
+        for (int64_t blk = 0; blk < nblocks; blk++) {
+            const float *xb = xr + blk * 32;
+            __m256i h[4], l[4];
+            __m256 sum = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                __m256 v = _mm256_loadu_ps(xb + 8 * i);
+                sum = _mm256_add_ps(sum, v);
+                v = _mm256_mul_ps(_mm256_mul_ps(v, vpow2a), vpow2b); /* exact: powers of two */
+                __m256 hf = _mm256_round_ps(_mm256_mul_ps(v, vinv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                h[i] = _mm256_cvtps_epi32(hf);
+                l[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_fnmadd_ps(hf, vscale, v), vinv_lo)); /* (x - s xh) */
+            }
+            xsum[r * nblocks + blk] = hsum256(sum);
+            /* packs interleaves 128-bit lanes (saturating); the permute restores element order */
+            int16_t *dst = xq + (r * nblocks + blk) * 64;
+            _mm256_storeu_si256((__m256i *)dst, _mm256_permute4x64_epi64(_mm256_packs_epi32(h[0], h[1]), 0xD8));
+            _mm256_storeu_si256((__m256i *)(dst + 16), _mm256_permute4x64_epi64(_mm256_packs_epi32(h[2], h[3]), 0xD8));
+            _mm256_storeu_si256((__m256i *)(dst + 32), _mm256_permute4x64_epi64(_mm256_packs_epi32(l[0], l[1]), 0xD8));
+            _mm256_storeu_si256((__m256i *)(dst + 48), _mm256_permute4x64_epi64(_mm256_packs_epi32(l[2], l[3]), 0xD8));
+        }
+    }
+}
+
+/* MC rows of quantized x against one weight row; MC is a compile-time constant at each
+ * call site, so the accumulators live in registers. */
+static inline __attribute__((always_inline)) void row_dot_avx2(
+    int qtype, const uint8_t *codes, const float *d, const float *m, int64_t nblocks, const int16_t *xq,
+    const float *xscale, const int32_t *xexp, const float *xsum, int MC, float *out, int64_t ldo) {
+    /* one row alone would be one FMA chain, stalled on FMA latency: two chains then
+     * (even and odd blocks) */
+    const int chains = MC == 1 ? 2 : 1;
+    __m256 acc[8];
+    for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
+    const __m256 lo_scale = _mm256_set1_ps(1.0f / 65534.0f);
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        __m256i lo, hi;
+        if (qtype == PD_Q8_0) {
+            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + blk * 32)));
+            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + blk * 32 + 16)));
+        } else {
+            __m128i q = _mm_loadu_si128((const __m128i *)(codes + blk * 16));
+            lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, mask));
+            hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), mask));
+        }
+        __m256 db = _mm256_broadcast_ss(d + blk);
+        for (int i = 0; i < MC; i++) {
+            const int16_t *xp = xq + (i * nblocks + blk) * 64;
+            __m256i ph = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
+                                          _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
+            __m256i pl = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xp + 32))),
+                                          _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 48))));
+            __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), lo_scale, _mm256_cvtepi32_ps(ph));
+            int a = chains == 2 ? (int)(blk & 1) : i;
+            acc[a] = _mm256_fmadd_ps(p, db, acc[a]);
+        }
+    }
+    if (chains == 2) acc[0] = _mm256_add_ps(acc[0], acc[1]);
+    for (int i = 0; i < MC; i++) {
+        float y = ldexpf(hsum256(acc[i]) * xscale[i], xexp[i]);
+        if (m != NULL) y += dot(m, xsum + i * nblocks, nblocks);
+        out[i * ldo] = y;
+    }
+}
+#endif
+
+/* y[M, ldy] (columns 0..N-1 written) = x[M, K] @ W[N, K]^T from repacked weights.
+ * Returns 0, -1 for an unsupported type or a K that is not a multiple of 32, -2 when out
+ * of memory. */
+int pd_linear_packed(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d,
+                     const float *m, int64_t N, float *y, int64_t ldy) {
+    if (block_bytes(qtype) == 0 || K % 32 != 0) return -1;
+    int64_t nblocks = K / 32, cb = code_bytes(qtype) * nblocks;
+    if (qtype == PD_Q8_0) m = NULL;
+#if PD_AVX2
+    int16_t *xq = (int16_t *)malloc((size_t)(2 * M * K) * sizeof(int16_t) + (size_t)(2 * M + M * nblocks) * 4);
+    if (xq == NULL) return -2;
+    float *xscale = (float *)(xq + 2 * M * K), *xsum = xscale + M;
+    int32_t *xexp = (int32_t *)(xsum + M * nblocks);
+    quantize_rows_i16(x, M, K, xq, xscale, xexp, xsum);
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        const uint8_t *cn = codes + n * cb;
+        const float *dn = d + n * nblocks, *mn = m == NULL ? NULL : m + n * nblocks;
+        int64_t r = 0;
+#define PD_ROWS(MC) row_dot_avx2(qtype, cn, dn, mn, nblocks, xq + 2 * r * K, xscale + r, xexp + r, xsum + r * nblocks, MC, \
+                                 y + r * ldy + n, ldy)
+        for (; r + 8 <= M; r += 8) PD_ROWS(8);
+        for (; r + 4 <= M; r += 4) PD_ROWS(4);
+        for (; r + 2 <= M; r += 2) PD_ROWS(2);
+        for (; r < M; r++) PD_ROWS(1);
+#undef PD_ROWS
+    }
+    free(xq);
+#else
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++) {
+        for (int64_t r = 0; r < M; r++) {
+            float acc = 0.0f;
+            for (int64_t blk = 0; blk < nblocks; blk++) {
+                const uint8_t *c = codes + n * cb + blk * code_bytes(qtype);
+                const float *xb = x + r * K + blk * 32;
+                float db = d[n * nblocks + blk], mb = m == NULL ? 0.0f : m[n * nblocks + blk], s = 0.0f;
+                for (int j = 0; j < 32; j++) {
+                    float q = qtype == PD_Q8_0 ? (float)(int8_t)c[j] : (float)(j < 16 ? c[j] & 0x0F : c[j - 16] >> 4);
+                    s += fmaf(q, db, mb) * xb[j];
+                }
+                acc += s;
+            }
+            y[r * ldy + n] = acc;
+        }
+    }
+#endif
+    return 0;
+}
+
+/* ------------------------------------------------------------------ elementwise */
+
+/* exp(x), vectorised: 2^(x log2 e) split into an integer power of two and a degree-6
+ * polynomial on [-0.5, 0.5]; relative error below 2e-7. Inputs are clamped to
+ * [-87, 88] (results stay normal floats). */
+#if PD_AVX2
+static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n); /* [-0.5, 0.5] */
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* In place: x[i] = exp(x[i] - max); returns the sum. */
+static float exp_sub_sum(float *x, int64_t n, float max) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if PD_AVX2
+    __m256 vmax = _mm256_set1_ps(max), vsum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
+        _mm256_storeu_ps(x + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum256(vsum);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - max);
+        sum += x[i];
+    }
+    return sum;
+}
+
+
+/* RMSNorm over rows of H, with the residual add fused in:
+ * residual == NULL: out = norm(x) * w
+ * otherwise:        residual = x + residual; out = norm(residual) * w
+ * (out may alias x). */
+void pd_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t T, int64_t H,
+                 float eps) {
+#pragma omp parallel for schedule(static) if (T > 4)
+    for (int64_t t = 0; t < T; t++) {
+        const float *xr = x + t * H;
+        float *o = out + t * H;
+        const float *src = xr;
+        if (residual != NULL) {
+            float *r = residual + t * H;
+            for (int64_t i = 0; i < H; i++) r[i] += xr[i];
+            src = r;
+        }
+        float ss = dot(src, src, H);
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        for (int64_t i = 0; i < H; i++) o[i] = (src[i] * inv) * weight[i];
+    }
+}
+
+/* Neox-style rotary embedding in place (rotate halves), as Hugging Face Llama applies
+ * it: for the first `nheads` heads of each token row (row stride `stride` floats),
+ * (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) with cos/sin [T, D/2]. */
+void pd_rope_neox(float *x, int64_t T, int64_t stride, int64_t nheads, int64_t D, const float *cos_t,
+                  const float *sin_t) {
+    int64_t half = D / 2;
+#pragma omp parallel for schedule(static) if (T > 16)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + t * half, *s = sin_t + t * half;
+        for (int64_t h = 0; h < nheads; h++) {
+            float *p1 = x + t * stride + h * D, *p2 = p1 + half;
+            for (int64_t i = 0; i < half; i++) {
+                float x1 = p1[i], x2 = p2[i];
+                p1[i] = x1 * c[i] - x2 * s[i];
+                p2[i] = x2 * c[i] + x1 * s[i];
+            }
+        }
+    }
+}
+
+/* out[t, i] = silu(x[t, i]) * x[t, I + i] for x [T, 2I] (gate then up). */
+void pd_silu_mul(const float *x, float *out, int64_t T, int64_t I) {
+#pragma omp parallel for schedule(static) if (T * I > 65536)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * I, *u = g + I;
+        float *o = out + t * I;
+        int64_t i = 0;
+#if PD_AVX2
+        __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();
+        for (; i + 8 <= I; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = exp_avx2(_mm256_sub_ps(zero, gv));
+            __m256 s = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(s, _mm256_loadu_ps(u + i)));
+        }
+#endif
+        for (; i < I; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* ------------------------------------------------------------------ paged KV cache
+ * Cache layout (one layer): key_cache and value_cache each [num_blocks, block_size,
+ * num_kv_heads, head_size] float32, token slot s = block * block_size + offset.
+ */
+
+/* Copy T new tokens' keys/values ([T, kvh * D] rows, given strides) to their slots. */
+void pd_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *key_cache,
+                 float *value_cache, const int64_t *slots, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(key_cache + slots[t] * row, k + t * k_stride, (size_t)row * sizeof(float));
+        memcpy(value_cache + slots[t] * row, v + t * v_stride, (size_t)row * sizeof(float));
+    }
+}
+
+/* Attention of query tokens over the paged cache, without gathering it.
+ *
+ * Request r (of num_reqs) has q_len = query_start[r+1] - query_start[r] query rows, at
+ * rows row_start[r] .. row_start[r] + q_len - 1 of q and out; they are the last of its
+ * seq_lens[r] context tokens, so query i sits at position seq_len - q_len + i and sees
+ * keys 0..position (window > 0: only the last `window` of them). query_start is the
+ * running count over these requests only (query_start[0] = 0), so a caller can hand
+ * over any subset of a batch. q rows have stride q_stride floats, out is [*, H, D].
+ * Grouped-query heads: query head h reads kv head h / (H / KVH).
+ * soft_cap > 0: scores become soft_cap * tanh(score / soft_cap).
+ * Work item = (query row, kv head); each item scores all its group's heads at once,
+ * so each key and value row is read once per item.
+ */
+#if PD_AVX2
+/* Eight dot products q . k_i (D a multiple of 8): one accumulator per key, so eight
+ * independent FMA chains, then a transpose-add into one vector of eight scores. */
+static inline __m256 dot8_avx2(const float *qh, const float *const *k, int64_t D) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 qv = _mm256_loadu_ps(qh + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
+    }
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* out[0:64] = sum_j p[j] * v[j][0:64], the accumulators held in registers. */
+static inline void weighted_sum64_avx2(const float *p, const float *const *v, int64_t n, int64_t off, float *out) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        __m256 pj = _mm256_set1_ps(p[j]);
+        const float *vp = v[j] + off;
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vp + 8 * i), a[i]);
+    }
+    for (int i = 0; i < 8; i++) _mm256_storeu_ps(out + 8 * i, a[i]);
+}
+#endif
+
+int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+                       const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                       const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out, int64_t H,
+                       int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float soft_cap,
+                       int64_t max_seq_len) {
+    int64_t T = query_start[num_reqs], G = H / KVH, row = KVH * D;
+    for (int64_t r = 0; r < num_reqs; r++)
+        if (seq_lens[r] > max_seq_len || seq_lens[r] < query_start[r + 1] - query_start[r]) return -3;
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* per thread: scores [G, max_seq_len], then key and value row pointers */
+        float *scores = (float *)malloc((size_t)(G * max_seq_len) * sizeof(float) + 2 * (size_t)max_seq_len * sizeof(float *));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < T * KVH; item++) {
+            if (scores == NULL) continue;
+            int64_t t = item / KVH, kh = item % KVH;
+            /* which request owns query row t (binary search over the running counts) */
+            int64_t lo = 0, hi = num_reqs - 1;
+            while (lo < hi) {
+                int64_t mid = (lo + hi + 1) / 2;
+                if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
+            }
+            int64_t r = lo, q_len = query_start[r + 1] - query_start[r], i = t - query_start[r];
+            int64_t pos = seq_lens[r] - q_len + i, qrow = row_start[r] + i;
+            int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, n = pos + 1 - start;
+            const int32_t *bt = block_tables + r * bt_stride;
+            const float **krow = (const float **)(scores + G * max_seq_len), **vrow = krow + max_seq_len;
+            for (int64_t j = 0; j < n; j++) {
+                int64_t p = start + j, slot = (int64_t)bt[p / block_size] * block_size + p % block_size;
+                krow[j] = key_cache + slot * row + kh * D;
+                vrow[j] = value_cache + slot * row + kh * D;
+            }
+            for (int64_t g = 0; g < G; g++) {
+                const float *qh = q + qrow * q_stride + (kh * G + g) * D;
+                float *s = scores + g * max_seq_len, mx = -INFINITY;
+                int64_t j = 0;
+#if PD_AVX2
+                if (D % 8 == 0)
+                    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, dot8_avx2(qh, krow + j, D));
+#endif
+                for (; j < n; j++) s[j] = dot(qh, krow[j], D);
+                for (j = 0; j < n; j++) {
+                    float sc = s[j] * scale;
+                    s[j] = sc = soft_cap > 0.0f ? soft_cap * tanhf(sc / soft_cap) : sc;
+                    mx = sc > mx ? sc : mx;
+                }
+                float inv = 1.0f / exp_sub_sum(s, n, mx);
+                for (j = 0; j < n; j++) s[j] *= inv;
+                float *o = out + (qrow * H + kh * G + g) * D;
+                int64_t d = 0;
+#if PD_AVX2
+                for (; d + 64 <= D; d += 64) weighted_sum64_avx2(s, vrow, n, d, o + d);
+#endif
+                if (d < D) {
+                    memset(o + d, 0, (size_t)(D - d) * sizeof(float));
+                    for (j = 0; j < n; j++)
+                        for (int64_t e = d; e < D; e++) o[e] += s[j] * vrow[j][e];
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}

@@ -1,0 +1,281 @@
+"""Builds and loads the native CPU kernels (csrc/cpu_kernels.c) through ctypes.
+
+Why ctypes and a C compiler at run time rather than a torch C++ extension: plain C
+compiles in about a second (torch's headers take a minute), needs no build step at
+install time, and the library is built for the CPU it runs on (-march=native). The
+result is cached under `PAGEDLLM_CACHE_DIR` (default ~/.cache/pagedllm), keyed by the
+source, the flags and the CPU's feature flags, so a shared home directory never hands
+one machine another's binary.
+
+If no compiler is found or the build fails, `kernels()` returns None and the callers
+keep their torch paths; `PAGEDLLM_CPU_KERNELS=0` turns the native path off on purpose.
+Tensors passed in must be contiguous float32 / uint8 / int32 / int64 CPU tensors: the
+wrappers below check what the C code assumes, and raise a ValueError naming the argument.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pagedllm.core import envs
+
+logger = logging.getLogger("pagedllm")
+
+SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+ABI_VERSION = 1
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
+
+# ggml type ids the quantized linear kernel reads
+SUPPORTED_QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+
+_i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
+_SIGNATURES = {
+    "pd_abi_version": (_i32, []),
+    "pd_has_avx2": (_i32, []),
+    "pd_repack": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p]),
+    "pd_linear_packed": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64]),
+    "pd_dequantize": (_i32, [_i32, _p, _i64, _i64, _p]),
+    "pd_rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32]),
+    "pd_silu_mul": (None, [_p, _p, _i64, _i64]),
+    "pd_rope_neox": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
+    "pd_write_kv": (None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
+    "pd_paged_attention": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
+                                  _f32, _i64, _f32, _i64]),
+}
+
+
+def _cpu_fingerprint() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def _library_path(compiler: str) -> Path:
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_fingerprint().encode()):
+        key.update(part)
+    root = Path(envs.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
+    return root / "native" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def _build(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target, then rename: concurrent processes never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if result.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.lru_cache(maxsize=1)
+def kernels() -> ctypes.CDLL | None:
+    """The loaded library, or None when the native path is off or cannot be built here."""
+    if envs.get("PAGEDLLM_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: the native CPU kernels are off (install gcc for a faster CPU path)")
+        return None
+    target = _library_path(compiler)
+    try:
+        if not target.exists():
+            logger.info("building native CPU kernels -> %s", target)
+            _build(compiler, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.TimeoutExpired) as exc:
+        logger.warning("native CPU kernels unavailable, using torch ops instead: %s", exc)
+        return None
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
+    if lib.pd_abi_version() != ABI_VERSION:
+        logger.warning("native CPU kernels: ABI mismatch, using torch ops instead")
+        return None
+    return lib
+
+
+def available() -> bool:
+    return kernels() is not None
+
+
+def _ptr(t: torch.Tensor, name: str, dtype: torch.dtype) -> int:
+    """The address of a contiguous CPU tensor of `dtype` (the cheapest checks first: this
+    runs a few hundred times per decode step)."""
+    if t.dtype is not dtype or not t.is_cpu or not t.is_contiguous():
+        if t.device.type != "cpu" or t.dtype != dtype:
+            raise ValueError(f"{name}: expected a CPU {dtype} tensor, got {t.device} {t.dtype}")
+        raise ValueError(f"{name}: expected a contiguous tensor")
+    return t.data_ptr()
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A ggml-quantized [N, K] matrix repacked for `linear` (see pd_repack): the codes,
+    and float32 scales d and offsets m per 32-value block (m is empty for Q8_0)."""
+
+    qtype: int
+    n: int
+    k: int
+    codes: torch.Tensor  # uint8 [N, K/32 * (16 | 32)]
+    d: torch.Tensor  # float32 [N, K/32]
+    m: torch.Tensor  # float32 [N, K/32], or [0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.d, self.m))
+
+    @functools.cached_property
+    def pointers(self) -> tuple[int, int, int | None]:
+        """Addresses of codes, d and m (None for Q8_0), looked up once."""
+        return self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if self.m.numel() else None
+
+
+def pack(raw: torch.Tensor, qtype: int, k: int) -> PackedWeight:
+    """Repack raw ggml blocks [N, bytes_per_row] of a [N, k] matrix."""
+    if qtype not in SUPPORTED_QTYPES or k % 32:
+        raise ValueError(f"native kernels read {sorted(SUPPORTED_QTYPES.values())} with K a multiple of 32; "
+                         f"got ggml type {qtype}, K={k}")
+    n, nblocks = raw.shape[0], k // 32
+    row_bytes = nblocks * {2: 18, 3: 20, 8: 34}[qtype]
+    if raw.dim() != 2 or raw.shape[1] != row_bytes:
+        raise ValueError(f"raw: expected [N, {row_bytes}] bytes for {SUPPORTED_QTYPES[qtype]} rows of K={k}, "
+                         f"got {list(raw.shape)}")
+    codes = torch.empty(n, nblocks * (32 if qtype == 8 else 16), dtype=torch.uint8)
+    d = torch.empty(n, nblocks, dtype=torch.float32)
+    m = torch.empty(n, nblocks, dtype=torch.float32) if qtype != 8 else torch.empty(0, dtype=torch.float32)
+    raw = raw.contiguous()  # held here: a temporary would be freed before C reads it
+    if kernels().pd_repack(qtype, _ptr(raw, "raw", torch.uint8), n, k, codes.data_ptr(), d.data_ptr(),
+                           m.data_ptr() if m.numel() else None) != 0:
+        raise ValueError(f"pd_repack: ggml type {qtype} or K={k} not supported")
+    return PackedWeight(qtype, n, k, codes, d, m)
+
+
+def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) @ W^T -> [M, N]. `out` may be a column slice of a
+    wider [M, *] float32 output (its row stride is honoured)."""
+    lib = kernels()
+    m, k = x.shape
+    if k != w.k:
+        raise ValueError(f"x has {k} columns, the weight {w.k}")
+    if out is None:
+        out = torch.empty(m, w.n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != (m, w.n) or out.stride(1) != 1:
+        raise ValueError(f"out: expected a float32 [{m}, {w.n}] view with unit column stride")
+    rc = lib.pd_linear_packed(w.qtype, _ptr(x, "x", torch.float32), m, k, *w.pointers, w.n, out.data_ptr(),
+                              out.stride(0))
+    if rc == -2:
+        raise MemoryError(f"pd_linear_packed: out of memory for {m}x{k} activations")
+    if rc != 0:
+        raise ValueError(f"pd_linear_packed: ggml type {w.qtype} or K={k} not supported")
+    return out
+
+
+def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a packed matrix as float32 [len(ids), K] (torch ops; for embedding lookups)."""
+    codes, d = w.codes[ids], w.d[ids]
+    t, nblocks = d.shape
+    if w.qtype == 8:
+        return (codes.view(torch.int8).float().view(t, nblocks, 32) * d[..., None]).view(t, w.k)
+    codes = codes.view(t, nblocks, 16)
+    q = torch.cat((codes & 0x0F, codes >> 4), dim=-1).float()
+    return torch.addcmul(w.m[ids][..., None], q, d[..., None]).view(t, w.k)
+
+
+def linear_q(x: torch.Tensor, raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` straight from raw ggml blocks [N, bytes_per_row] (repacks on every call:
+    for tests and one-off use; layers pack once at load)."""
+    return linear(x, pack(raw, qtype, x.shape[1]), out)
+
+
+def dequantize(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
+    out = torch.empty(n, k, dtype=torch.float32)
+    if kernels().pd_dequantize(qtype, _ptr(raw, "raw", torch.uint8), n, k, out.data_ptr()) != 0:
+        raise ValueError(f"pd_dequantize: ggml type {qtype} or K={k} not supported")
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """norm(x) * weight; with `residual`, residual += x (in place) and norm(residual) * weight."""
+    t, h = x.shape
+    out = torch.empty_like(x)
+    res = 0 if residual is None else _ptr(residual, "residual", torch.float32)
+    kernels().pd_rms_norm(_ptr(x, "x", torch.float32), res, _ptr(weight, "weight", torch.float32), out.data_ptr(),
+                          t, h, eps)
+    return out
+
+
+def rope_neox_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate, in place, the first `num_heads` heads of each row of x [T, >= num_heads * D]
+    (rows contiguous, any row stride); cos/sin [T, D/2] float32."""
+    if x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
+        raise ValueError("x: expected float32 [T, >= num_heads * head_dim] with contiguous rows")
+    kernels().pd_rope_neox(x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim,
+                           _ptr(cos, "cos", torch.float32), _ptr(sin, "sin", torch.float32))
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] of shape [T, 2I]."""
+    t, two_i = x.shape
+    out = torch.empty(t, two_i // 2, dtype=torch.float32)
+    kernels().pd_silu_mul(_ptr(x, "x", torch.float32), out.data_ptr(), t, two_i // 2)
+    return out
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    """Store k, v [T, kvh, D] (token stride free, rows contiguous) at cache `slots` [T] int64."""
+    t, kvh, d = k.shape
+    for name, x in (("k", k), ("v", v)):
+        if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
+            raise ValueError(f"{name}: expected float32 [T, kvh, D] with contiguous rows")
+    kernels().pd_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+                          _ptr(key_cache, "key_cache", torch.float32), _ptr(value_cache, "value_cache", torch.float32),
+                          _ptr(slots, "slots", torch.int64), t, kvh * d)
+
+
+def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start: torch.Tensor, row_start: torch.Tensor, out: torch.Tensor,
+                    scale: float, window: int, soft_cap: float, max_seq_len: int) -> None:
+    """out[rows] = attention of q[rows] over the paged cache (see pd_paged_attention).
+
+    q [T, H, D] with contiguous rows (token stride free); caches [blocks, block_size, kvh, D];
+    block_tables [R, max_blocks], seq_lens [R], query_start [R + 1], row_start [R] int32.
+    """
+    _, h, d = q.shape
+    if q.device.type != "cpu" or q.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != d:
+        raise ValueError("q: expected a CPU float32 [T, H, D] with contiguous rows")
+    if out.shape != q.shape:
+        raise ValueError(f"out: expected q's shape {list(q.shape)}, got {list(out.shape)}")
+    _, block_size, kvh, _ = key_cache.shape
+    rc = kernels().pd_paged_attention(
+        q.data_ptr(), q.stride(0), _ptr(key_cache, "key_cache", torch.float32),
+        _ptr(value_cache, "value_cache", torch.float32), _ptr(block_tables, "block_tables", torch.int32),
+        block_tables.stride(0), _ptr(seq_lens, "seq_lens", torch.int32), _ptr(query_start, "query_start", torch.int32),
+        _ptr(row_start, "row_start", torch.int32), seq_lens.shape[0], _ptr(out, "out", torch.float32), h, kvh, d,
+        block_size, scale, window, soft_cap, max_seq_len)
+    if rc == -3:
+        raise ValueError(f"paged_attention: a seq_len exceeds max_seq_len={max_seq_len} or is shorter than its query")
+    if rc != 0:
+        raise MemoryError(f"pd_paged_attention: could not allocate scores for max_seq_len={max_seq_len}")
