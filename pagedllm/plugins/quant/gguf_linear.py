@@ -45,10 +45,11 @@ def raw_num_cols(raw: torch.Tensor, qtype: int) -> int:
     return raw.shape[-1] // type_size * block_size
 
 
-# Row counts up to this take the native kernel even when a dense copy exists: below it,
-# streaming 4-bit blocks beats streaming float32 weights through a GEMM (measured on
-# SmolLM2's shapes, AVX2, 2 threads: 1.3-2.4x faster at 1-8 rows, even at 16).
-NATIVE_MAX_ROWS = int(__import__("os").environ.get("NMR", "8"))
+# Row counts up to this take the native kernel even when a dense copy exists: there,
+# streaming 4-bit blocks beats streaming float32 weights through a GEMM. Measured on
+# SmolLM2's shapes (AVX2, 2 threads): 1.3-2.3x faster at 1-4 rows, even at 8-16 rows,
+# and about half the GEMM's speed at 32 rows, where the dense GEMM's float FMAs win.
+NATIVE_MAX_ROWS = 8
 
 
 def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.device) -> bool:

@@ -212,41 +212,58 @@ static void quantize_rows_i16(const float *x, int64_t M, int64_t K, int16_t *xq,
     }
 }
 
+/* The codes of block `blk` as two vectors of 16 int16 (values 0-15 and 16-31). */
+static inline __attribute__((always_inline)) void load_codes(int qtype, const uint8_t *codes, int64_t blk,
+                                                             __m256i *lo, __m256i *hi) {
+    if (qtype == PD_Q8_0) {
+        *lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + blk * 32)));
+        *hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + blk * 32 + 16)));
+    } else {
+        __m128i q = _mm_loadu_si128((const __m128i *)(codes + blk * 16)), mask = _mm_set1_epi8(0x0F);
+        *lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, mask));
+        *hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), mask));
+    }
+}
+
+/* sum_j code_j * x_j for one block, as 8 float partial sums (xp: the block's 32 xh, 32 xl). */
+static inline __attribute__((always_inline)) __m256 block_dot(__m256i lo, __m256i hi, const int16_t *xp) {
+    __m256i ph = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
+                                  _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
+    __m256i pl = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xp + 32))),
+                                  _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 48))));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), _mm256_set1_ps(1.0f / 65534.0f), _mm256_cvtepi32_ps(ph));
+}
+
 /* MC rows of quantized x against one weight row; MC is a compile-time constant at each
- * call site, so the accumulators live in registers. */
+ * call site, so the accumulators live in registers. A single row runs two accumulator
+ * chains (even and odd blocks): one chain would stall on FMA latency. */
 static inline __attribute__((always_inline)) void row_dot_avx2(
     int qtype, const uint8_t *codes, const float *d, const float *m, int64_t nblocks, const int16_t *xq,
     const float *xscale, const int32_t *xexp, const float *xsum, int MC, float *out, int64_t ldo) {
-    /* one row alone would be one FMA chain, stalled on FMA latency: two chains then
-     * (even and odd blocks) */
-    const int chains = MC == 1 ? 2 : 1;
     __m256 acc[8];
     for (int i = 0; i < 8; i++) acc[i] = _mm256_setzero_ps();
-    const __m256 lo_scale = _mm256_set1_ps(1.0f / 65534.0f);
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    for (int64_t blk = 0; blk < nblocks; blk++) {
-        __m256i lo, hi;
-        if (qtype == PD_Q8_0) {
-            lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + blk * 32)));
-            hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(codes + blk * 32 + 16)));
-        } else {
-            __m128i q = _mm_loadu_si128((const __m128i *)(codes + blk * 16));
-            lo = _mm256_cvtepu8_epi16(_mm_and_si128(q, mask));
-            hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(q, 4), mask));
+    __m256i lo, hi;
+    if (MC == 1) {
+        int64_t blk = 0;
+        for (; blk + 2 <= nblocks; blk += 2) {
+            load_codes(qtype, codes, blk, &lo, &hi);
+            acc[0] = _mm256_fmadd_ps(block_dot(lo, hi, xq + blk * 64), _mm256_broadcast_ss(d + blk), acc[0]);
+            load_codes(qtype, codes, blk + 1, &lo, &hi);
+            acc[1] = _mm256_fmadd_ps(block_dot(lo, hi, xq + blk * 64 + 64), _mm256_broadcast_ss(d + blk + 1), acc[1]);
         }
-        __m256 db = _mm256_broadcast_ss(d + blk);
-        for (int i = 0; i < MC; i++) {
-            const int16_t *xp = xq + (i * nblocks + blk) * 64;
-            __m256i ph = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)xp)),
-                                          _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 16))));
-            __m256i pl = _mm256_add_epi32(_mm256_madd_epi16(lo, _mm256_loadu_si256((const __m256i *)(xp + 32))),
-                                          _mm256_madd_epi16(hi, _mm256_loadu_si256((const __m256i *)(xp + 48))));
-            __m256 p = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), lo_scale, _mm256_cvtepi32_ps(ph));
-            int a = chains == 2 ? (int)(blk & 1) : i;
-            acc[a] = _mm256_fmadd_ps(p, db, acc[a]);
+        if (blk < nblocks) {
+            load_codes(qtype, codes, blk, &lo, &hi);
+            acc[0] = _mm256_fmadd_ps(block_dot(lo, hi, xq + blk * 64), _mm256_broadcast_ss(d + blk), acc[0]);
+        }
+        acc[0] = _mm256_add_ps(acc[0], acc[1]);
+    } else {
+        for (int64_t blk = 0; blk < nblocks; blk++) {
+            load_codes(qtype, codes, blk, &lo, &hi);
+            __m256 db = _mm256_broadcast_ss(d + blk);
+            for (int i = 0; i < MC; i++)
+                acc[i] = _mm256_fmadd_ps(block_dot(lo, hi, xq + (i * nblocks + blk) * 64), db, acc[i]);
         }
     }
-    if (chains == 2) acc[0] = _mm256_add_ps(acc[0], acc[1]);
     for (int i = 0; i < MC; i++) {
         float y = ldexpf(hsum256(acc[i]) * xscale[i], xexp[i]);
         if (m != NULL) y += dot(m, xsum + i * nblocks, nblocks);
