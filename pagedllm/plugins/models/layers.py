@@ -24,7 +24,7 @@ from pagedllm.core.contracts import (
     ModelContext,
     QuantConfig,
 )
-from pagedllm.plugins.cpu import native
+from pagedllm.plugins.cpu import dense, native
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -60,7 +60,17 @@ class UnquantizedLinearMethod(LinearMethod):
         weight.output_offsets = _offsets(output_sizes)  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
 
+    def process_after_loading(self, layer):
+        # float32 on the CPU: oneDNN's packed copy replaces the plain weight (see cpu/dense.py)
+        packed = dense.prepack(layer.weight)
+        if packed is not None:
+            del layer.weight
+        layer.weight_packed = packed
+
     def apply(self, layer, x, bias):
+        packed = layer.__dict__.get("weight_packed")
+        if packed is not None and x.dtype == torch.float32:
+            return dense.linear(x, packed, bias)
         return F.linear(x, layer.weight, bias)
 
 
@@ -235,10 +245,16 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
     def create_weights(self, layer, vocab_size, hidden_size, params_dtype):
         layer.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype), requires_grad=False)
 
+    def process_after_loading(self, layer):
+        layer.logits_packed = dense.prepack(layer.weight)  # lookups keep the plain weight
+
     def embed(self, layer, input_ids):
         return F.embedding(input_ids, layer.weight)
 
     def logits(self, layer, x):
+        packed = layer.__dict__.get("logits_packed")
+        if packed is not None and x.dtype == torch.float32:
+            return dense.linear(x, packed, None)
         return F.linear(x, layer.weight)
 
 

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, QuantConfig
+from pagedllm.plugins.cpu import dense as cpu_dense
 from pagedllm.plugins.cpu import native
 from pagedllm.plugins.quant.gguf_dequant import dequantize
 from pagedllm.plugins.quant.gguf_file import check_supported, type_name
@@ -81,6 +82,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_groups = []  # (parameter name, ggml type | None): blocks dequantized per call
         layer.gguf_packed = []  # (PackedWeight, first row, end row): the native kernel's operands
         layer.gguf_has_dense = False
+        layer.gguf_dense_packed = None
 
     @staticmethod
     def _load_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -131,14 +133,15 @@ class GGUFLinearMethod(LinearMethod):
             row += rows
         layer.gguf_has_dense = bool(dense)
         if dense:
-            weight = dense[0] if len(dense) == 1 else torch.cat(dense)
-            layer.register_parameter("weight", nn.Parameter(weight.to(layer.gguf_params_dtype), requires_grad=False))
+            weight = (dense[0] if len(dense) == 1 else torch.cat(dense)).to(layer.gguf_params_dtype)
+            layer.gguf_dense_packed = cpu_dense.prepack(weight)  # oneDNN's layout replaces the plain copy
+            if layer.gguf_dense_packed is None:
+                layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        dense = layer.weight if layer.gguf_has_dense else None
         packed = layer.gguf_packed
         rows = x.numel() // layer.gguf_input_size
-        if packed and x.dtype == torch.float32 and (dense is None or rows <= NATIVE_MAX_ROWS):
+        if packed and x.dtype == torch.float32 and (not layer.gguf_has_dense or rows <= NATIVE_MAX_ROWS):
             x2 = x.reshape(rows, layer.gguf_input_size).contiguous()
             if len(packed) == 1:
                 out = native.linear(x2, packed[0][0])
@@ -149,6 +152,9 @@ class GGUFLinearMethod(LinearMethod):
             if bias is not None:
                 out += bias
             return out.view(*x.shape[:-1], out.shape[-1])
+        if layer.gguf_dense_packed is not None and x.dtype == torch.float32:
+            return cpu_dense.linear(x, layer.gguf_dense_packed, bias)
+        dense = layer.weight if layer.gguf_has_dense else None
         if dense is None:  # keep-quantized and not natively readable: dequantize this call
             parts = [getattr(layer, name) if qtype is None else _dequantize(getattr(layer, name), qtype,
                                                                            layer.gguf_input_size)
@@ -188,6 +194,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         layer.gguf_qtype = None
         layer.gguf_packed = None
         layer.gguf_has_dense = True
+        layer.gguf_dense_packed = None
 
     @staticmethod
     def _load(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -204,8 +211,9 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
 
     def process_after_loading(self, layer):
         qtype = layer.gguf_qtype
-        if qtype is None:
-            return  # a float matrix: the dense weight is all there is
+        if qtype is None:  # a float matrix: the dense weight is all there is
+            layer.gguf_dense_packed = cpu_dense.prepack(layer.weight)
+            return
         raw = layer.qweight_raw
         del layer.qweight_raw
         hidden = layer.gguf_shape[1]
@@ -217,6 +225,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         if self.keep_dense:
             layer.weight = nn.Parameter(_dequantize(raw, qtype, hidden).to(layer.gguf_params_dtype),
                                         requires_grad=False)
+            layer.gguf_dense_packed = cpu_dense.prepack(layer.weight)  # for logits; lookups read the plain copy
         else:
             del layer.weight
             layer.gguf_has_dense = False
@@ -236,6 +245,8 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         packed = layer.gguf_packed
         if packed is not None and x.dtype == torch.float32 and (not layer.gguf_has_dense or rows <= NATIVE_MAX_ROWS):
             return native.linear(x.reshape(rows, -1).contiguous(), packed)
+        if layer.gguf_dense_packed is not None and x.dtype == torch.float32:
+            return cpu_dense.linear(x, layer.gguf_dense_packed, None)
         if layer.gguf_has_dense:
             return F.linear(x, layer.weight)
         if packed is not None:  # keep-quantized, not float32: dequantize everything for this call
