@@ -180,6 +180,19 @@ def add_serve_parser(subparsers: Any) -> None:
     parser.set_defaults(handler=serve, subparser=parser)
 
 
+# The server's default step budget, as vLLM's OpenAI server has it: when many requests
+# arrive together, a smaller budget finishes the first prompts' prefills sooner, at the
+# same throughput (measured: 64 concurrent SmolLM2 requests on 2 CPUs, TTFT p50 17.1 s
+# with 8192 tokens per step, 11.5 s with 2048; output tok/s 153 and 156).
+SERVE_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def apply_serve_defaults(args: argparse.Namespace) -> None:
+    """Server-only defaults for flags the user left unset."""
+    if getattr(args, "max_num_batched_tokens", None) is None:
+        args.max_num_batched_tokens = SERVE_MAX_NUM_BATCHED_TOKENS
+
+
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     from pagedllm.core.engine import AsyncLLMEngine
     from pagedllm.server.app import ServerSettings, build_app, load_chat_template, run_server
@@ -193,6 +206,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
                        "alone enables reasoning; drop --enable-reasoning")
         if not settings.reasoning_parser:
             _fail(parser, ValueError("--enable-reasoning needs --reasoning-parser (e.g. deepseek_r1)"))
+    apply_serve_defaults(args)
     try:
         config = engine_config_from_args(args)
         load_chat_template(settings.chat_template)

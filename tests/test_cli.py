@@ -229,3 +229,13 @@ def test_serve_starts_logs_and_answers(tiny_model_dir: Any) -> None:
     assert re.search(r"KV cache: \d+ blocks x 16 tokens = \d+ tokens", out)
     assert f"http://127.0.0.1:{port}" in out
     assert "API key required (from PAGEDLLM_API_KEY)" in out
+
+
+def test_serve_defaults_to_a_2048_token_step_budget_like_vllms_server():
+    parser = cli.build_parser(["serve"])
+    args = parser.parse_args(["serve"])
+    cli.apply_serve_defaults(args)
+    assert cli.engine_config_from_args(args).scheduler.max_num_batched_tokens == 2048
+    args = parser.parse_args(["serve", "--max-num-batched-tokens", "4096"])
+    cli.apply_serve_defaults(args)
+    assert cli.engine_config_from_args(args).scheduler.max_num_batched_tokens == 4096, "an explicit flag must win"

@@ -90,8 +90,8 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = opt(256, "Most sequences in one step.", "scheduler")
-    max_num_batched_tokens: int | None = opt(None, "Token budget of one step (default 8192, and "
-                                             "at least max_model_len without chunked prefill).",
+    max_num_batched_tokens: int | None = opt(None, "Token budget of one step (default 8192; 2048 for "
+                                             "`pagedllm serve`; at least max_model_len without chunked prefill).",
                                              "scheduler")
     enable_chunked_prefill: bool = opt(True, "Split long prompts over several steps.", "scheduler")
 

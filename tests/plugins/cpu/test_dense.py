@@ -1,0 +1,60 @@
+"""oneDNN packed-weight linears (pagedllm/plugins/cpu/dense.py) and the layers that use them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedllm.plugins.cpu import dense
+from pagedllm.plugins.models.layers import Linear, UnquantizedEmbeddingMethod, VocabEmbedding
+
+pytestmark = pytest.mark.skipif(not dense.available(), reason="torch has no oneDNN packed linear here")
+
+
+@pytest.mark.parametrize("rows", [1, 9, 64, 300])
+def test_packed_linear_matches_f_linear(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(96, 64, generator=gen)
+    b = torch.randn(96, generator=gen)
+    x = torch.randn(rows, 64, generator=gen)
+    packed = dense.prepack(w)
+    assert packed is not None, "a float32 CPU weight was not packed"
+    torch.testing.assert_close(dense.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense.linear(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    x3 = x.view(1, rows, 64)  # leading dims pass through
+    assert dense.linear(x3, packed, None).shape == (1, rows, 96)
+
+
+def test_prepack_declines_what_it_cannot_pack(monkeypatch):
+    assert dense.prepack(torch.randn(8, 8, dtype=torch.bfloat16)) is None, "bf16 weights must stay plain"
+    assert dense.prepack(torch.randn(8)) is None, "a 1-D tensor is no linear weight"
+    monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
+    dense.available.cache_clear()
+    try:
+        assert dense.prepack(torch.randn(8, 8)) is None, "PAGEDLLM_CPU_KERNELS=0 must turn packing off"
+    finally:
+        monkeypatch.undo()
+        dense.available.cache_clear()
+
+
+def test_linear_layer_swaps_its_weight_for_the_packed_copy():
+    layer = Linear(64, [32, 16], bias=True)
+    w = torch.randn(48, 64)
+    layer.weight.data.copy_(w)
+    layer.bias.data.normal_()
+    expected = F.linear(torch.ones(3, 64), w, layer.bias)
+    layer.method.process_after_loading(layer)
+    assert "weight" not in dict(layer.named_parameters()), "the plain weight should be replaced, not duplicated"
+    torch.testing.assert_close(layer(torch.ones(3, 64)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_embedding_keeps_its_table_and_packs_for_logits():
+    emb = VocabEmbedding(100, 64, torch.float32)
+    assert isinstance(emb.method, UnquantizedEmbeddingMethod)
+    emb.weight.data.normal_()
+    emb.method.process_after_loading(emb)
+    ids = torch.tensor([3, 99, 0])
+    torch.testing.assert_close(emb(ids), emb.weight[ids])
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(emb.logits(x), x @ emb.weight.T, rtol=1e-5, atol=1e-5)
