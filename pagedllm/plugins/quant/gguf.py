@@ -79,7 +79,7 @@ def unpermute_rows(x: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 class GGUFFormat(CheckpointFormat):
-    """A `.gguf` file. Options: `gguf_keep_quantized` (bool)."""
+    """A `.gguf` file (its `gguf_keep_quantized` option is read by `GGUFConfig`)."""
 
     name = "gguf"
 
