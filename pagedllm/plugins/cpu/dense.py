@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from pagedllm.core import envs
+from pagedllm.plugins.cpu import native
 
 # The batch-size hint oneDNN picks a blocked layout for; any row count works with it.
 PACK_HINT_ROWS = 256
@@ -23,7 +23,7 @@ PACK_HINT_ROWS = 256
 
 @functools.lru_cache(maxsize=1)
 def available() -> bool:
-    if envs.get("PAGEDLLM_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not native.switched_on():
         return False
     try:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \

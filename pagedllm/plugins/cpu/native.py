@@ -89,10 +89,16 @@ def _build(compiler: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def switched_on() -> bool:
+    """False when `PAGEDLLM_CPU_KERNELS` turns the CPU fast paths (native kernels and
+    oneDNN-packed weights, see dense.py) off."""
+    return envs.get("PAGEDLLM_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
 @functools.lru_cache(maxsize=1)
 def kernels() -> ctypes.CDLL | None:
     """The loaded library, or None when the native path is off or cannot be built here."""
-    if envs.get("PAGEDLLM_CPU_KERNELS", "1").strip().lower() in ("0", "false", "no", "off"):
+    if not switched_on():
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:

@@ -98,6 +98,11 @@ class Linear(nn.Module):
         return self.method.apply(self, x, self.bias)
 
 
+def _native_rows(x: torch.Tensor) -> bool:
+    """Whether x is a float32 [rows, features] CPU tensor the native kernels can take."""
+    return x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and native.available()
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32; `offset=1` gives Gemma's (1 + w) form."""
 
@@ -114,7 +119,7 @@ class RMSNorm(nn.Module):
 
         float32 rows on the CPU take the native kernel (add and norm in one pass; the
         residual tensor is updated in place, it is never shared)."""
-        if x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and native.available():
+        if _native_rows(x):
             if self._weight is None or self._weight_version != self.weight._version:
                 self._weight = (self.weight.float() + self.offset).contiguous()
                 self._weight_version = self.weight._version
@@ -135,7 +140,7 @@ class RMSNorm(nn.Module):
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dim (the fused gate_up output)."""
-    if x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and native.available():
+    if _native_rows(x):
         return native.silu_mul(x.contiguous())
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -199,7 +204,7 @@ class RotaryEmbedding(nn.Module):
         of a dozen small ops); otherwise `apply` does it with torch ops."""
         t = qkv.shape[0]
         q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        if qkv.dtype == torch.float32 and qkv.device.type == "cpu" and qkv.is_contiguous() and native.available():
+        if _native_rows(qkv) and qkv.is_contiguous():
             cos, sin = cos_sin
             native.rope_neox_(qkv, num_heads + num_kv_heads, head_dim, cos.view(t, -1), sin.view(t, -1))
             return (qkv[:, :q_size].view(t, num_heads, head_dim),
