@@ -1,12 +1,17 @@
-"""Dense float32 linears on the CPU through oneDNN, with weights packed once at load.
+"""Dense float32 linears on the CPU, with weights packed once at load.
 
 `F.linear` hands MKL the plain [N, K] weight on every call, which repacks it into its
 blocked layout each time: at decode batch sizes (8-64 rows) that costs as much as the
 multiply (measured on SmolLM2's shapes, AVX2, 2 threads: 1.3-2.4x faster packed at
-9-64 rows, the 49152-row lm_head 1.9x at 64 rows; equal at 4096 rows). torch ships
-oneDNN's packed-weight linear (the kernels its inductor uses); this module is the one
-place that calls it, so callers fall back to `F.linear` where it is missing.
-`PAGEDLLM_CPU_KERNELS=0` turns it off with the native kernels.
+9-64 rows, the 49152-row lm_head 1.9x at 64 rows; equal at 4096 rows).
+
+Two packed kernels, best first: the native GEMM (csrc/cpu_kernels.c, pd_sgemm) where
+the kernels are built, else oneDNN's packed-weight linear that torch ships (the kernels
+its inductor uses). MKL and oneDNN are tuned for Intel cores: on AMD Zen 3 with two
+threads (best of repeated runs, SmolLM2's four layer shapes and its lm_head), the native
+kernel took 0.80-1.0x oneDNN's time at 16 and 64 rows and 0.66-0.85x at 4096 rows.
+This module is the one place that picks: callers keep `F.linear` where neither is
+available. `PAGEDLLM_CPU_KERNELS=0` turns both off with the other native kernels.
 """
 
 from __future__ import annotations
@@ -22,9 +27,7 @@ PACK_HINT_ROWS = 256
 
 
 @functools.lru_cache(maxsize=1)
-def available() -> bool:
-    if not native.switched_on():
-        return False
+def _onednn_available() -> bool:
     try:
         return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
             and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -32,13 +35,23 @@ def available() -> bool:
         return False
 
 
-def prepack(weight: torch.Tensor) -> torch.Tensor | None:
-    """oneDNN's packed copy of a float32 CPU weight [N, K], or None where it does not apply."""
+def available() -> bool:
+    """True when float32 CPU weights get packed (see the module doc)."""
+    return native.switched_on() and (native.available() or _onednn_available())
+
+
+def prepack(weight: torch.Tensor) -> native.DenseWeight | torch.Tensor | None:
+    """A packed copy of a float32 CPU weight [N, K] (native panels, else oneDNN's
+    layout), or None where neither applies."""
     if weight.device.type != "cpu" or weight.dtype != torch.float32 or weight.dim() != 2 or not available():
         return None
+    if native.available():
+        return native.pack_dense(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PACK_HINT_ROWS)
 
 
-def linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear(x: torch.Tensor, packed: native.DenseWeight | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] float32 @ W^T (+ bias) with a weight from `prepack`."""
+    if isinstance(packed, native.DenseWeight):
+        return native.dense_linear(x, packed, bias)
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

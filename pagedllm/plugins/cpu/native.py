@@ -47,6 +47,8 @@ _SIGNATURES = {
     "pd_repack": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p]),
     "pd_linear_packed": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64]),
     "pd_dequantize": (_i32, [_i32, _p, _i64, _i64, _p]),
+    "pd_sgemm_pack": (None, [_p, _i64, _i64, _p]),
+    "pd_sgemm": (_i32, [_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
     "pd_rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32]),
     "pd_silu_mul": (None, [_p, _p, _i64, _i64]),
     "pd_rope_neox": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -196,6 +198,47 @@ def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) ->
     if rc != 0:
         raise ValueError(f"pd_linear_packed: ggml type {w.qtype} or K={k} not supported")
     return out
+
+
+@dataclass(frozen=True)
+class DenseWeight:
+    """A float32 [N, K] matrix in pd_sgemm's layout: panels of 16 columns, [ceil(N/16), K, 16]."""
+
+    n: int
+    k: int
+    panels: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+def pack_dense(weight: torch.Tensor) -> DenseWeight:
+    """Pack a float32 CPU weight [N, K] once, for `dense_linear`."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected [N, K], got {list(weight.shape)}")
+    n, k = weight.shape
+    w = weight.detach().contiguous()
+    panels = torch.empty((n + 15) // 16, k, 16, dtype=torch.float32)
+    kernels().pd_sgemm_pack(_ptr(w, "weight", torch.float32), n, k, panels.data_ptr())
+    return DenseWeight(n, k, panels)
+
+
+def dense_linear(x: torch.Tensor, w: DenseWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 @ W^T (+ bias) -> [..., N]."""
+    if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != w.k:
+        raise ValueError(f"x: expected a CPU float32 [..., {w.k}], got {x.device} {x.dtype} {list(x.shape)}")
+    lead = x.shape[:-1]
+    x2 = x if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= w.k else x.reshape(-1, w.k).contiguous()
+    m = x2.shape[0]
+    out = torch.empty(m, w.n, dtype=torch.float32)
+    if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.n,)):
+        raise ValueError(f"bias: expected float32 [{w.n}], got {bias.dtype} {list(bias.shape)}")
+    b = None if bias is None else _ptr(bias, "bias", torch.float32)
+    if kernels().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(),
+                          w.n) != 0:
+        raise MemoryError(f"pd_sgemm: out of memory packing {m}x{w.k} activations")
+    return out.view(*lead, w.n)
 
 
 def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""oneDNN packed-weight linears (pagedllm/plugins/cpu/dense.py) and the layers that use them."""
+"""Packed-weight float32 linears (pagedllm/plugins/cpu/dense.py: the native GEMM, else
+oneDNN's) and the layers that use them. Every test runs with each packer."""
 
 from __future__ import annotations
 
@@ -6,20 +7,35 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.plugins.cpu import dense
+from pagedllm.plugins.cpu import dense, native
 from pagedllm.plugins.models.layers import Linear, UnquantizedEmbeddingMethod, VocabEmbedding
 
-pytestmark = pytest.mark.skipif(not dense.available(), reason="torch has no oneDNN packed linear here")
+pytestmark = pytest.mark.skipif(not dense.available(), reason="neither the native kernels nor oneDNN here")
+
+
+@pytest.fixture(autouse=True, params=["native", "onednn"])
+def packer(request, monkeypatch):
+    if request.param == "native" and not native.available():
+        pytest.skip("native kernels not built here")
+    if request.param == "onednn":
+        if not dense._onednn_available():
+            pytest.skip("torch has no oneDNN packed linear here")
+        monkeypatch.setattr(native, "available", lambda: False)
+    return request.param
+
+
+def expected_type(packer):
+    return native.DenseWeight if packer == "native" else torch.Tensor
 
 
 @pytest.mark.parametrize("rows", [1, 9, 64, 300])
-def test_packed_linear_matches_f_linear(rows):
+def test_packed_linear_matches_f_linear(rows, packer):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(96, 64, generator=gen)
     b = torch.randn(96, generator=gen)
     x = torch.randn(rows, 64, generator=gen)
     packed = dense.prepack(w)
-    assert packed is not None, "a float32 CPU weight was not packed"
+    assert isinstance(packed, expected_type(packer)), f"a float32 CPU weight was not packed by {packer}"
     torch.testing.assert_close(dense.linear(x, packed, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dense.linear(x, packed, None), F.linear(x, w), rtol=1e-5, atol=1e-5)
     x3 = x.view(1, rows, 64)  # leading dims pass through
@@ -30,12 +46,7 @@ def test_prepack_declines_what_it_cannot_pack(monkeypatch):
     assert dense.prepack(torch.randn(8, 8, dtype=torch.bfloat16)) is None, "bf16 weights must stay plain"
     assert dense.prepack(torch.randn(8)) is None, "a 1-D tensor is no linear weight"
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
-    dense.available.cache_clear()
-    try:
-        assert dense.prepack(torch.randn(8, 8)) is None, "PAGEDLLM_CPU_KERNELS=0 must turn packing off"
-    finally:
-        monkeypatch.undo()
-        dense.available.cache_clear()
+    assert dense.prepack(torch.randn(8, 8)) is None, "PAGEDLLM_CPU_KERNELS=0 must turn packing off"
 
 
 def test_linear_layer_swaps_its_weight_for_the_packed_copy():
