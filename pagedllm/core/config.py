@@ -121,8 +121,8 @@ class ParallelConfig:
 class DeviceConfig:
     device: str = opt("auto", "Device: auto (CUDA when present), cpu or cuda.", "device",
                       choices=["auto", "cpu", "cuda"])
-    attention_backend: str | None = opt(None, "Attention backend (TORCH, TRITON, FLASH_ATTN, "
-                                        "FLASHINFER); env PAGEDLLM_ATTENTION_BACKEND.", "device")
+    attention_backend: str | None = opt(None, "Attention backend (TORCH, CPU_ATTN, TRITON, "
+                                        "FLASH_ATTN, FLASHINFER); env PAGEDLLM_ATTENTION_BACKEND.", "device")
     enforce_eager: bool = opt(False, "Never capture graphs or compile.", "device")
 
     def __post_init__(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Iterator, Sequence
+from typing import Any, Callable, ClassVar, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -165,6 +165,13 @@ class AttentionBackend(ABC):
     @abstractmethod
     def impl_cls(cls) -> type[AttentionImpl]:
         """The per-layer implementation class (imported lazily, on selection)."""
+
+    @classmethod
+    def step_replayer(cls, model: nn.Module) -> Callable[[BatchLayout, AttentionContext], torch.Tensor] | None:
+        """Something that runs the model's forward for a step faster than calling it, by
+        replaying recorded kernel calls (what CUDA graphs do on a GPU); None runs every
+        step eagerly. Asked once after loading, unless --enforce-eager."""
+        return None
 
 
 @dataclass

@@ -24,7 +24,7 @@ ENV_VARS: dict[str, EnvVar] = {
     v.name: v
     for v in [
         EnvVar("PAGEDLLM_ATTENTION_BACKEND", "VLLM_ATTENTION_BACKEND",
-               "Attention backend name (TORCH, TRITON, FLASH_ATTN, FLASHINFER); the flag wins."),
+               "Attention backend name (TORCH, CPU_ATTN, TRITON, FLASH_ATTN, FLASHINFER); the flag wins."),
         EnvVar("PAGEDLLM_PLUGINS", "VLLM_PLUGINS",
                "Comma-separated entry-point names of the plugins to load (default: all)."),
         EnvVar("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE",

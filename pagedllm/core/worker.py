@@ -124,6 +124,8 @@ class Worker:
         shape = self.backend.kv_cache_shape(self.budget.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [zeroed(shape, self.kv_dtype, self.device) for _ in range(spec.num_layers)]
         self.sampler = Sampler(config.model.seed, self.device)
+        # steps the backend can replay instead of calling the model (CUDA-graph-like)
+        self.replayer = None if config.device.enforce_eager else self.backend.step_replayer(self.model)
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -226,7 +228,10 @@ class Worker:
         layout = self._layout(tokens, [e.num_computed_tokens for e in entries],
                               [e.num_new_tokens for e in entries], [list(e.block_ids) for e in entries])
         attn = AttentionContext(self.builder.build(layout), self.kv_caches)
-        hidden = self.model(layout.input_ids, layout.positions, attn)
+        if self.replayer is not None:
+            hidden = self.replayer(layout, attn)
+        else:
+            hidden = self.model(layout.input_ids, layout.positions, attn)
         sampling = [i for i, e in enumerate(entries) if e.samples]
         if not sampling:
             return StepResult({}, {})

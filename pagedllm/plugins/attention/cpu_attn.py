@@ -22,6 +22,9 @@ from pagedllm.plugins.cpu import native
 
 # Query chunks longer than this attend through torch's SDPA (see the module doc).
 NATIVE_MAX_QUERY_LEN = 256
+# Block tables are padded to a multiple of this many blocks, so their shape (part of a
+# recorded step's key, see plugins/cpu/replay.py) changes once per 512 tokens, not 16.
+BLOCK_TABLE_WIDTH_STEP = 32
 
 
 @dataclass
@@ -32,7 +35,6 @@ class CpuAttentionMetadata:
     seq_lens: torch.Tensor
     query_start: torch.Tensor
     row_start: torch.Tensor
-    max_seq_len: int
     long_groups: list[AttentionGroup]  # prefill chunks for the reference path
 
     @property
@@ -54,15 +56,17 @@ class CpuMetadataBuilder(AttentionMetadataBuilder):
             native_lens = q_lens[reqs]
         query_start = torch.zeros(native_lens.shape[0] + 1, dtype=torch.int32)
         torch.cumsum(native_lens, 0, out=query_start[1:])
-        seq_lens_cpu = layout.seq_lens_cpu[reqs]
         groups = [_group(layout, [i], slice(int(qsl[i]), int(qsl[i + 1])), int(q_lens[i])) for i in long]
+        tables = layout.block_tables[reqs]
+        width = -(-tables.shape[1] // BLOCK_TABLE_WIDTH_STEP) * BLOCK_TABLE_WIDTH_STEP
+        padded = torch.zeros(tables.shape[0], width, dtype=torch.int32)
+        padded[:, :tables.shape[1]] = tables
         return CpuAttentionMetadata(
             slot_mapping=layout.slot_mapping,
-            block_tables=layout.block_tables[reqs].to(torch.int32).contiguous(),
-            seq_lens=seq_lens_cpu.to(torch.int32).contiguous(),
+            block_tables=padded,
+            seq_lens=layout.seq_lens_cpu[reqs].to(torch.int32).contiguous(),
             query_start=query_start,
             row_start=qsl[:-1][reqs].to(torch.int32).contiguous(),
-            max_seq_len=int(seq_lens_cpu.max()) if seq_lens_cpu.numel() else 0,
             long_groups=groups,
         )
 
@@ -75,7 +79,7 @@ class CpuAttentionImpl(TorchAttentionImpl):
         if metadata.num_native:
             native.paged_attention(q, key_cache, value_cache, metadata.block_tables, metadata.seq_lens,
                                    metadata.query_start, metadata.row_start, out, self.scale,
-                                   self.sliding_window or 0, self.logits_soft_cap or 0.0, metadata.max_seq_len)
+                                   self.sliding_window or 0, self.logits_soft_cap or 0.0)
         if metadata.long_groups:
             out = self.attend_groups(q, kv_cache, metadata.long_groups, out)
         return out
@@ -105,3 +109,11 @@ class CpuAttnBackend(AttentionBackend):
     @classmethod
     def impl_cls(cls):
         return CpuAttentionImpl
+
+    @classmethod
+    def step_replayer(cls, model):
+        # every kernel here is native and the metadata's shapes depend only on the batch
+        # shape (block tables padded, see BLOCK_TABLE_WIDTH_STEP): decode steps replay
+        from pagedllm.plugins.cpu.replay import StepReplayer
+
+        return StepReplayer(model)

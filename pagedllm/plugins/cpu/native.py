@@ -34,7 +34,7 @@ from pagedllm.core import envs
 logger = logging.getLogger("pagedllm")
 
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI_VERSION = 1
+ABI_VERSION = 2
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # ggml type ids the quantized linear kernel reads
@@ -54,7 +54,8 @@ _SIGNATURES = {
     "pd_rope_neox": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
     "pd_write_kv": (None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
     "pd_paged_attention": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
-                                  _f32, _i64, _f32, _i64]),
+                                  _f32, _i64, _f32]),
+    "pd_gather_rows": (_i32, [_p, _i64, _i64, _p, _i64, _p]),
 }
 
 
@@ -128,6 +129,15 @@ def available() -> bool:
     return kernels() is not None
 
 
+# While a step is recorded (plugins/cpu/replay.py), the kernel calls of the wrappers
+# below go through this stand-in for the library, which runs and logs each call.
+_recorder = None
+
+
+def _lib():
+    return _recorder if _recorder is not None else kernels()
+
+
 def _ptr(t: torch.Tensor, name: str, dtype: torch.dtype) -> int:
     """The address of a contiguous CPU tensor of `dtype` (the cheapest checks first: this
     runs a few hundred times per decode step)."""
@@ -183,7 +193,7 @@ def pack(raw: torch.Tensor, qtype: int, k: int) -> PackedWeight:
 def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W^T -> [M, N]. `out` may be a column slice of a
     wider [M, *] float32 output (its row stride is honoured)."""
-    lib = kernels()
+    lib = _lib()
     m, k = x.shape
     if k != w.k:
         raise ValueError(f"x has {k} columns, the weight {w.k}")
@@ -235,7 +245,7 @@ def dense_linear(x: torch.Tensor, w: DenseWeight, bias: torch.Tensor | None = No
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.n,)):
         raise ValueError(f"bias: expected float32 [{w.n}], got {bias.dtype} {list(bias.shape)}")
     b = None if bias is None else _ptr(bias, "bias", torch.float32)
-    if kernels().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(),
+    if _lib().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(),
                           w.n) != 0:
         raise MemoryError(f"pd_sgemm: out of memory packing {m}x{w.k} activations")
     return out.view(*lead, w.n)
@@ -270,7 +280,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     t, h = x.shape
     out = torch.empty_like(x)
     res = 0 if residual is None else _ptr(residual, "residual", torch.float32)
-    kernels().pd_rms_norm(_ptr(x, "x", torch.float32), res, _ptr(weight, "weight", torch.float32), out.data_ptr(),
+    _lib().pd_rms_norm(_ptr(x, "x", torch.float32), res, _ptr(weight, "weight", torch.float32), out.data_ptr(),
                           t, h, eps)
     return out
 
@@ -280,7 +290,7 @@ def rope_neox_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor
     (rows contiguous, any row stride); cos/sin [T, D/2] float32."""
     if x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
         raise ValueError("x: expected float32 [T, >= num_heads * head_dim] with contiguous rows")
-    kernels().pd_rope_neox(x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim,
+    _lib().pd_rope_neox(x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim,
                            _ptr(cos, "cos", torch.float32), _ptr(sin, "sin", torch.float32))
 
 
@@ -288,7 +298,7 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] of shape [T, 2I]."""
     t, two_i = x.shape
     out = torch.empty(t, two_i // 2, dtype=torch.float32)
-    kernels().pd_silu_mul(_ptr(x, "x", torch.float32), out.data_ptr(), t, two_i // 2)
+    _lib().pd_silu_mul(_ptr(x, "x", torch.float32), out.data_ptr(), t, two_i // 2)
     return out
 
 
@@ -299,14 +309,14 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
     for name, x in (("k", k), ("v", v)):
         if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
             raise ValueError(f"{name}: expected float32 [T, kvh, D] with contiguous rows")
-    kernels().pd_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
+    _lib().pd_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
                           _ptr(key_cache, "key_cache", torch.float32), _ptr(value_cache, "value_cache", torch.float32),
                           _ptr(slots, "slots", torch.int64), t, kvh * d)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
                     seq_lens: torch.Tensor, query_start: torch.Tensor, row_start: torch.Tensor, out: torch.Tensor,
-                    scale: float, window: int, soft_cap: float, max_seq_len: int) -> None:
+                    scale: float, window: int, soft_cap: float) -> None:
     """out[rows] = attention of q[rows] over the paged cache (see pd_paged_attention).
 
     q [T, H, D] with contiguous rows (token stride free); caches [blocks, block_size, kvh, D];
@@ -318,13 +328,38 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     if out.shape != q.shape:
         raise ValueError(f"out: expected q's shape {list(q.shape)}, got {list(out.shape)}")
     _, block_size, kvh, _ = key_cache.shape
-    rc = kernels().pd_paged_attention(
+    if block_tables.dim() != 2:
+        raise ValueError(f"block_tables: expected [R, max_blocks], got {list(block_tables.shape)}")
+    rc = _lib().pd_paged_attention(
         q.data_ptr(), q.stride(0), _ptr(key_cache, "key_cache", torch.float32),
         _ptr(value_cache, "value_cache", torch.float32), _ptr(block_tables, "block_tables", torch.int32),
         block_tables.stride(0), _ptr(seq_lens, "seq_lens", torch.int32), _ptr(query_start, "query_start", torch.int32),
         _ptr(row_start, "row_start", torch.int32), seq_lens.shape[0], _ptr(out, "out", torch.float32), h, kvh, d,
-        block_size, scale, window, soft_cap, max_seq_len)
+        block_size, scale, window, soft_cap)
     if rc == -3:
-        raise ValueError(f"paged_attention: a seq_len exceeds max_seq_len={max_seq_len} or is shorter than its query")
+        raise ValueError(f"paged_attention: a seq_len is longer than its block-table row "
+                         f"({block_tables.shape[1]} blocks of {block_size}) or shorter than its query")
     if rc != 0:
-        raise MemoryError(f"pd_paged_attention: could not allocate scores for max_seq_len={max_seq_len}")
+        raise MemoryError("pd_paged_attention: could not allocate the per-thread score rows")
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table[ids] for a float32 table [rows, ...] and int64 ids [n] -> [n, ...] (one kernel
+    call, so a recorded step replays it; see replay.py)."""
+    if ids.dim() != 1:
+        raise ValueError(f"ids: expected a 1-D tensor, got {list(ids.shape)}")
+    out = torch.empty((ids.shape[0], *table.shape[1:]), dtype=torch.float32)
+    rows = table.shape[0]
+    if _lib().pd_gather_rows(_ptr(table, "table", torch.float32), rows, table.numel() // rows if rows else 0,
+                             _ptr(ids, "ids", torch.int64), ids.shape[0], out.data_ptr()) != 0:
+        raise IndexError(f"gather_rows: an id is outside [0, {rows})")
+    return out
+
+
+def lookup_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """table[ids] for 1-D int64 ids: one native call for a contiguous float32 CPU table
+    (so a recorded step replays it, see replay.py), torch indexing otherwise."""
+    if (table.dtype == torch.float32 and table.device.type == "cpu" and ids.dim() == 1 and ids.dtype == torch.int64
+            and ids.device.type == "cpu" and table.is_contiguous() and available()):
+        return gather_rows(table, ids)
+    return table[ids]

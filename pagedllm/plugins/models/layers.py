@@ -103,6 +103,7 @@ def _native_rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and native.available()
 
 
+
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32; `offset=1` gives Gemma's (1 + w) form."""
 
@@ -194,7 +195,8 @@ class RotaryEmbedding(nn.Module):
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, D/2] (float32) for the step's positions."""
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = native.lookup_rows(self.cos, positions), native.lookup_rows(self.sin, positions)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
     @staticmethod
     def rotate_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -254,6 +256,8 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
         layer.logits_packed = dense.prepack(layer.weight)  # lookups keep the plain weight
 
     def embed(self, layer, input_ids):
+        if input_ids.dim() == 1:
+            return native.lookup_rows(layer.weight, input_ids)
         return F.embedding(input_ids, layer.weight)
 
     def logits(self, layer, x):

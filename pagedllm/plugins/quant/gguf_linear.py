@@ -232,6 +232,8 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
 
     def embed(self, layer, input_ids):
         if layer.gguf_has_dense:
+            if input_ids.dim() == 1:
+                return native.lookup_rows(layer.weight, input_ids)
             return F.embedding(input_ids, layer.weight)
         ids = input_ids.reshape(-1)
         if layer.gguf_packed is not None:

@@ -461,6 +461,28 @@ def test_dense_linear_rejects_bad_arguments():
         native.pack_dense(torch.randn(8))
 
 
+# ------------------------------------------------------------------ gather_rows
+
+def test_gather_rows_matches_indexing():
+    gen = torch.Generator().manual_seed(3)
+    table = torch.randn(50, 4, 6, generator=gen)
+    ids = torch.tensor([3, 0, 49, 3, 17])
+    got = native.gather_rows(table, ids)
+    assert got.shape == (5, 4, 6) and torch.equal(got, table[ids]), "gather_rows differs from table[ids]"
+    assert native.gather_rows(table, torch.empty(0, dtype=torch.int64)).shape == (0, 4, 6)
+
+
+def test_gather_rows_rejects_bad_ids():
+    table = torch.randn(10, 3)
+    for bad in ([10], [-1], [2, 11]):
+        with pytest.raises(IndexError, match="outside"):
+            native.gather_rows(table, torch.tensor(bad))
+    with pytest.raises(ValueError, match="ids"):
+        native.gather_rows(table, torch.tensor([[1]]))
+    with pytest.raises(ValueError, match="ids"):
+        native.gather_rows(table, torch.tensor([1], dtype=torch.int32))
+
+
 # ------------------------------------------------------------------ rms_norm / silu_mul
 
 def rms_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -664,8 +686,7 @@ class PagedCase:
         row_start = torch.tensor([self.row_of[r] for r in reqs], dtype=torch.int32)
         seq_lens = self.seq_lens[reqs].contiguous()
         native.paged_attention(self.q, self.key_cache, self.value_cache, self.block_tables[reqs].contiguous(),
-                               seq_lens, query_start, row_start, out, scale, window, soft_cap,
-                               int(seq_lens.max()))
+                               seq_lens, query_start, row_start, out, scale, window, soft_cap)
 
     def reference(self, r, scale, window=0, soft_cap=0.0) -> torch.Tensor:
         """float64 attention of request r's query rows: [q_len, H, D]."""
@@ -770,25 +791,28 @@ def test_paged_attention_rejects_wrong_dtypes():
     with pytest.raises(ValueError, match="^q:"):
         native.paged_attention(case.q.double(), case.key_cache, case.value_cache, case.block_tables,
                                case.seq_lens, torch.tensor([0, 2], dtype=torch.int32),
-                               torch.tensor([0], dtype=torch.int32), out, 0.25, 0, 0.0, 5)
+                               torch.tensor([0], dtype=torch.int32), out, 0.25, 0, 0.0)
     with pytest.raises(ValueError, match="^block_tables:"):
         native.paged_attention(case.q, case.key_cache, case.value_cache, case.block_tables.long(),
                                case.seq_lens, torch.tensor([0, 2], dtype=torch.int32),
-                               torch.tensor([0], dtype=torch.int32), out, 0.25, 0, 0.0, 5)
+                               torch.tensor([0], dtype=torch.int32), out, 0.25, 0, 0.0)
 
 
 def test_paged_attention_rejects_bad_lengths_and_layouts():
     case = PagedCase([(3, 2)], 2, 1, 16, 16, seed=2)  # one request: seq_len 5, 2 query rows
     query_start, row_start = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0], dtype=torch.int32)
 
-    def call(q=case.q, seq_lens=case.seq_lens, out=None, max_seq_len=5):
+    def call(q=case.q, seq_lens=case.seq_lens, out=None, block_tables=case.block_tables):
         out = torch.empty(case.num_tokens, 2, 16) if out is None else out
-        native.paged_attention(q, case.key_cache, case.value_cache, case.block_tables, seq_lens, query_start,
-                               row_start, out, 0.25, 0, 0.0, max_seq_len)
+        native.paged_attention(q, case.key_cache, case.value_cache, block_tables, seq_lens, query_start,
+                               row_start, out, 0.25, 0, 0.0)
 
     call()  # the arguments below differ from these in one thing each
-    with pytest.raises(ValueError, match="exceeds max_seq_len=4"):
-        call(max_seq_len=4)  # scores are sized by max_seq_len: a longer sequence would overrun them
+    capacity = case.block_tables.shape[1] * 16
+    with pytest.raises(ValueError, match="longer than its block-table row"):
+        call(seq_lens=torch.tensor([capacity + 1], dtype=torch.int32))  # would read past the table row
+    with pytest.raises(ValueError, match="^block_tables:"):
+        call(block_tables=case.block_tables.flatten())  # no row per request
     with pytest.raises(ValueError, match="shorter than its query"):
         call(seq_lens=torch.tensor([1], dtype=torch.int32))  # 2 query rows in a 1-token sequence
     with pytest.raises(ValueError, match="^q:"):

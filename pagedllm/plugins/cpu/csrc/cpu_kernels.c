@@ -33,7 +33,7 @@
 /* ggml type ids (gguf_file.py) */
 enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8 };
 
-int pd_abi_version(void) { return 1; }
+int pd_abi_version(void) { return 2; }
 int pd_has_avx2(void) { return PD_AVX2; }
 
 static inline float f16_to_f32(const uint8_t *p) {
@@ -296,6 +296,7 @@ int pd_linear_packed(int qtype, const float *x, int64_t M, int64_t K, const uint
                                  y + r * ldy + n, ldy)
         for (; r + 8 <= M; r += 8) PD_ROWS(8);
         for (; r + 4 <= M; r += 4) PD_ROWS(4);
+        for (; r + 3 <= M; r += 3) PD_ROWS(3);
         for (; r + 2 <= M; r += 2) PD_ROWS(2);
         for (; r < M; r++) PD_ROWS(1);
 #undef PD_ROWS
@@ -477,6 +478,17 @@ int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp,
         free(xp);
     }
     return failed ? -2 : 0;
+}
+
+/* ------------------------------------------------------------------ row gather */
+/* out[i] = table[ids[i]] for rows of `row_len` floats (embedding and rotary-table
+ * lookups). Returns -1, writing nothing, when an id is outside [0, num_rows). */
+int pd_gather_rows(const float *table, int64_t num_rows, int64_t row_len, const int64_t *ids, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= num_rows) return -1;
+#pragma omp parallel for schedule(static) if (n * row_len > 65536)
+    for (int64_t i = 0; i < n; i++) memcpy(out + i * row_len, table + ids[i] * row_len, (size_t)row_len * sizeof(float));
+    return 0;
 }
 
 /* ------------------------------------------------------------------ elementwise */
@@ -683,11 +695,14 @@ static inline __attribute__((always_inline)) void weighted_sum32_avx2(int heads,
 int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                        const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out, int64_t H,
-                       int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float soft_cap,
-                       int64_t max_seq_len) {
-    int64_t T = query_start[num_reqs], G = H / KVH, row = KVH * D;
-    for (int64_t r = 0; r < num_reqs; r++)
-        if (seq_lens[r] > max_seq_len || seq_lens[r] < query_start[r + 1] - query_start[r]) return -3;
+                       int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float soft_cap) {
+    /* max_seq_len sizes the scratch rows (at least 1: no malloc of 0 bytes) */
+    int64_t T = query_start[num_reqs], G = H / KVH, row = KVH * D, max_seq_len = 1;
+    /* every length must fit its block-table row (bt_stride blocks) and cover its queries */
+    for (int64_t r = 0; r < num_reqs; r++) {
+        if (seq_lens[r] > bt_stride * block_size || seq_lens[r] < query_start[r + 1] - query_start[r]) return -3;
+        max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
+    }
     int failed = 0;
 #pragma omp parallel
     {

@@ -1,0 +1,201 @@
+"""Step replay: what CUDA graphs do on a GPU, for the CPU kernels.
+
+A single-sequence decode step of a small model spends about a quarter of its time in
+Python between kernels: module calls, argument checks, views, allocations. When a
+step's forward is nothing but native kernel calls (plugins/cpu/native.py) on tensors
+whose shapes depend only on the batch shape, the calls and their arguments can be
+recorded once and replayed on later steps with the same shape: the only arguments
+that change are the addresses of the step's inputs (token ids, positions and the
+attention metadata), which are patched in before each replay.
+
+Recording runs the step eagerly, with the kernel library swapped for a stand-in that
+logs each call, under a torch dispatch mode that keeps every tensor the forward makes
+alive (the replay writes into them again) and notes any op that computes. A forward
+that computes with torch ops between kernels (a bias add, a torch fallback path) is
+not replayable: such shapes stay eager. A graph is trusted only after its first
+replay matched an eager run of the same step bit for bit (the same kernels in the
+same order give the same bits); a mismatch turns replay off for the engine with a
+warning. `--enforce-eager` never records.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import logging
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pagedllm.core.contracts import AttentionContext, BatchLayout
+from pagedllm.plugins.cpu import native
+
+logger = logging.getLogger("pagedllm")
+
+# ops that only allocate or re-view memory: everything else computes, which a replay of
+# kernel calls would skip
+VIEW_OR_ALLOC_OPS = frozenset({
+    "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "_reshape_alias", "reshape", "slice", "select",
+    "unsqueeze", "squeeze", "as_strided", "alias", "detach", "split", "split_with_sizes", "narrow", "t",
+    "transpose", "permute", "expand", "unbind", "view_as",
+})
+
+# Recorded steps of at most this many rows; graphs kept at once hold at most this many
+# bytes of intermediate tensors (least recently used graphs are dropped first).
+MAX_ROWS = 32
+MAX_BYTES = 256 << 20
+
+
+class _Recorder:
+    """Stands in for the kernel library while a step is recorded: runs and logs each call."""
+
+    def __init__(self, lib: Any) -> None:
+        self.lib = lib
+        self.calls: list[tuple[str, Any, tuple, Any]] = []
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.lib, name)
+
+        def call(*args):
+            rc = fn(*args)
+            self.calls.append((name, fn, args, rc))
+            return rc
+
+        return call
+
+
+class _Watch(TorchDispatchMode):
+    """Keeps every tensor made during recording alive and notes the ops that compute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keep: list[Any] = []
+        self.computed: set[str] = set()
+        self.allocated = 0  # bytes of the tensors made here (views of weights and caches are free)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if name not in VIEW_OR_ALLOC_OPS:
+            self.computed.add(name)
+        elif name.startswith("empty"):
+            self.allocated += out.untyped_storage().nbytes()
+        self.keep.append(out)
+        return out
+
+
+def step_inputs(layout: BatchLayout, metadata: Any) -> dict[str, torch.Tensor]:
+    """The tensors a step's forward reads that are made anew each step: the token ids,
+    positions and every tensor field of the backend's metadata."""
+    inputs = {"input_ids": layout.input_ids, "positions": layout.positions}
+    for field in dataclasses.fields(metadata):
+        value = getattr(metadata, field.name)
+        if isinstance(value, torch.Tensor):
+            inputs[f"metadata.{field.name}"] = value
+    return inputs
+
+
+def step_key(inputs: dict[str, torch.Tensor], metadata: Any) -> tuple:
+    """What must match for a recorded step to replay: every input's shape, strides and
+    dtype, and the metadata's other fields (they may steer the forward's Python)."""
+    shapes = tuple((name, tuple(t.shape), t.stride(), t.dtype) for name, t in inputs.items())
+    others = tuple((f.name, repr(getattr(metadata, f.name))) for f in dataclasses.fields(metadata)
+                   if not isinstance(getattr(metadata, f.name), torch.Tensor))
+    return shapes + others
+
+
+class StepGraph:
+    """One recorded forward: the kernel calls, where the step's inputs go in their
+    arguments, and the output tensor every replay rewrites."""
+
+    def __init__(self, calls: list[tuple[str, Any, tuple, Any]], inputs: dict[str, torch.Tensor],
+                 output: torch.Tensor, keep: list[Any], nbytes: int) -> None:
+        ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in inputs.items()
+                  if t.numel()]
+        self.calls = []
+        for name, fn, args, rc in calls:
+            pointer_args = [i for i, kind in enumerate(native._SIGNATURES[name][1]) if kind is ctypes.c_void_p]
+            patches = []
+            for i in pointer_args:
+                value = args[i]
+                owners = [(start, owner) for start, end, owner in ranges if value is not None and start <= value < end]
+                if len(owners) > 1:
+                    raise ValueError(f"{name}: argument {i} points into more than one step input")
+                if owners:
+                    patches.append((i, owners[0][1], value - owners[0][0]))
+            self.calls.append((fn, args, patches, rc))
+        self.output = output
+        self.keep = keep
+        self.nbytes = nbytes
+        self.verified = False
+
+    def replay(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        base = {name: t.data_ptr() for name, t in inputs.items()}
+        for fn, args, patches, rc in self.calls:
+            if patches:
+                args = list(args)
+                for i, name, offset in patches:
+                    args[i] = base[name] + offset
+            result = fn(*args)
+            if result != rc:
+                raise RuntimeError(f"step replay: a kernel returned {result} where its recording returned {rc}")
+        return self.output
+
+
+class StepReplayer:
+    """Runs decode steps (one query row per request) through recorded graphs, one per
+    batch shape, recording on first sight; other steps run eagerly."""
+
+    def __init__(self, model: nn.Module, max_rows: int = MAX_ROWS, max_bytes: int = MAX_BYTES) -> None:
+        self.model = model
+        self.max_rows, self.max_bytes = max_rows, max_bytes
+        self.graphs: OrderedDict[tuple, StepGraph | None] = OrderedDict()  # None: not replayable
+        self.off = False
+
+    def __call__(self, layout: BatchLayout, attn: AttentionContext) -> torch.Tensor:
+        rows = layout.input_ids.shape[0]
+        if self.off or layout.max_query_len != 1 or rows > self.max_rows:
+            return self.model(layout.input_ids, layout.positions, attn)
+        inputs = step_inputs(layout, attn.metadata)
+        key = step_key(inputs, attn.metadata)
+        if key not in self.graphs:
+            return self._record(key, layout, attn, inputs)
+        graph = self.graphs[key]
+        if graph is None:
+            return self.model(layout.input_ids, layout.positions, attn)
+        self.graphs.move_to_end(key)
+        out = graph.replay(inputs)
+        if not graph.verified:
+            eager = self.model(layout.input_ids, layout.positions, attn)
+            if not torch.equal(eager, out):
+                logger.warning("step replay: a replayed step differs from its eager run; replay is off from now on")
+                self.off = True
+                self.graphs.clear()
+                return eager
+            graph.verified = True
+        return out
+
+    def _record(self, key: tuple, layout: BatchLayout, attn: AttentionContext,
+                inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        lib = native.kernels()
+        recorder = _Recorder(lib)
+        watch = _Watch()
+        native._recorder = recorder
+        try:
+            with watch:
+                out = self.model(layout.input_ids, layout.positions, attn)
+        finally:
+            native._recorder = None
+        if watch.computed or not recorder.calls:
+            self.graphs[key] = None
+            logger.info("step replay: %d-row decode steps run eagerly (the forward computes with torch ops: %s)",
+                        layout.input_ids.shape[0], ", ".join(sorted(watch.computed)) or "no kernel calls")
+            return out
+        graph = StepGraph(recorder.calls, inputs, out, watch.keep, watch.allocated)
+        self.graphs[key] = graph
+        while sum(g.nbytes for g in self.graphs.values() if g is not None) > self.max_bytes and len(self.graphs) > 1:
+            self.graphs.popitem(last=False)
+        return out

@@ -1,0 +1,93 @@
+"""Step replay (pagedllm/plugins/cpu/replay.py): recorded decode steps give exactly what
+eager steps give, forwards that compute with torch ops stay eager, a bad replay turns
+replay off, and --enforce-eager never records."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedllm.plugins.cpu import native, replay
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here")
+
+# different lengths, and one request stops early: the batch shrinks from 3 rows to 2
+PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 61, 12, 33], [301, 2, 77], [9] * 20]
+MAX_TOKENS = [12, 12, 5]
+
+
+def generate(model_dir, **kwargs):
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), dtype="float32", device="cpu", kv_cache_memory=1 << 22, **kwargs)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=3) for n in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return llm, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
+                 for o in outputs]
+
+
+@pytest.fixture
+def replays(monkeypatch):
+    """Counts StepGraph.replay calls."""
+    count = {"n": 0}
+    original = replay.StepGraph.replay
+
+    def counted(self, inputs):
+        count["n"] += 1
+        return original(self, inputs)
+
+    monkeypatch.setattr(replay.StepGraph, "replay", counted)
+    return count
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # qwen2: q/k/v biases, added inside the GEMM
+def test_replayed_steps_equal_eager_steps_bit_for_bit(tiny_model_dir, replays, arch):
+    model_dir = tiny_model_dir(arch)
+    eager_llm, eager = generate(model_dir, enforce_eager=True)
+    assert eager_llm.engine.worker.replayer is None, "--enforce-eager must not set up step replay"
+    assert replays["n"] == 0
+    llm, got = generate(model_dir)
+    replayer = llm.engine.worker.replayer
+    assert isinstance(replayer, replay.StepReplayer) and not replayer.off
+    graphs = [g for g in replayer.graphs.values() if g is not None]
+    assert {g.output.shape[0] for g in graphs} == {3, 2}, "the 3-row and 2-row decode steps were not recorded"
+    assert all(g.verified for g in graphs), "a graph was never checked against an eager run"
+    assert replays["n"] >= 8, f"only {replays['n']} steps were replayed"
+    assert got == eager, "replayed steps differ from eager ones (tokens or logprobs, compared exactly)"
+
+
+def test_forward_with_torch_ops_stays_eager(tiny_model_dir, replays):
+    """Qwen3 normalises q and k per head with torch ops between kernels: not replayable."""
+    model_dir = tiny_model_dir("qwen3")
+    llm, got = generate(model_dir)
+    graphs = llm.engine.worker.replayer.graphs
+    assert graphs and all(g is None for g in graphs.values()), "a forward with torch ops was recorded"
+    assert replays["n"] == 0
+    _, eager = generate(model_dir, enforce_eager=True)
+    assert got == eager
+
+
+def test_a_replay_that_differs_turns_replay_off(tiny_model_dir, monkeypatch):
+    original = replay.StepGraph.replay
+
+    def corrupted(self, inputs):
+        out = original(self, inputs)
+        out.add_(1.0)
+        return out
+
+    monkeypatch.setattr(replay.StepGraph, "replay", corrupted)
+    model_dir = tiny_model_dir("llama")
+    llm, got = generate(model_dir)
+    assert llm.engine.worker.replayer.off, "a replay that differs from its eager run left replay on"
+    _, eager = generate(model_dir, enforce_eager=True)
+    assert got == eager, "the eager result should have been used when the replay differed"
+
+
+def test_graph_patches_the_step_inputs_only(tiny_model_dir):
+    """Every argument pointing into a step input is patched; weights, caches and the
+    recorded intermediates stay as recorded."""
+    llm, _ = generate(tiny_model_dir("llama"))
+    graph = next(g for g in llm.engine.worker.replayer.graphs.values() if g is not None)
+    patched = {name for _, _, patches, _ in graph.calls for _, name, _ in patches}
+    assert {"input_ids", "positions", "metadata.slot_mapping", "metadata.block_tables", "metadata.seq_lens",
+            "metadata.query_start", "metadata.row_start"} <= patched, patched
+    assert graph.nbytes > 0 and graph.nbytes < 1 << 20, f"{graph.nbytes} bytes kept for a tiny model's step"
