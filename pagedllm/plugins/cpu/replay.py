@@ -45,7 +45,7 @@ VIEW_OR_ALLOC_OPS = frozenset({
 
 # Recorded steps of at most this many rows; graphs kept at once hold at most this many
 # bytes of intermediate tensors (least recently used graphs are dropped first).
-MAX_ROWS = 32
+MAX_ROWS = 64
 MAX_BYTES = 256 << 20
 
 
@@ -194,8 +194,10 @@ class StepReplayer:
             logger.info("step replay: %d-row decode steps run eagerly (the forward computes with torch ops: %s)",
                         layout.input_ids.shape[0], ", ".join(sorted(watch.computed)) or "no kernel calls")
             return out
-        graph = StepGraph(recorder.calls, inputs, out, watch.keep, watch.allocated)
-        self.graphs[key] = graph
+        if watch.allocated > self.max_bytes:
+            self.graphs[key] = None  # alone over the budget: this shape stays eager
+            return out
+        self.graphs[key] = StepGraph(recorder.calls, inputs, out, watch.keep, watch.allocated)
         while sum(g.nbytes for g in self.graphs.values() if g is not None) > self.max_bytes and len(self.graphs) > 1:
             self.graphs.popitem(last=False)
         return out

@@ -91,3 +91,15 @@ def test_graph_patches_the_step_inputs_only(tiny_model_dir):
     assert {"input_ids", "positions", "metadata.slot_mapping", "metadata.block_tables", "metadata.seq_lens",
             "metadata.query_start", "metadata.row_start"} <= patched, patched
     assert graph.nbytes > 0 and graph.nbytes < 1 << 20, f"{graph.nbytes} bytes kept for a tiny model's step"
+
+
+def test_a_graph_over_the_memory_budget_stays_eager(tiny_model_dir, replays):
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", kv_cache_memory=1 << 22)
+    llm.engine.worker.replayer.max_bytes = 1024  # below any step's intermediates
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    graphs = llm.engine.worker.replayer.graphs
+    assert graphs and all(g is None for g in graphs.values()), "a graph over the byte budget was kept"
+    assert replays["n"] == 0
