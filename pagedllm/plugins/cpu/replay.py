@@ -9,8 +9,8 @@ that change are the addresses of the step's inputs (token ids, positions and the
 attention metadata), which are patched in before each replay.
 
 Recording runs the step eagerly, with the kernel library swapped for a stand-in that
-logs each call, under a torch dispatch mode that keeps every tensor the forward makes
-alive (the replay writes into them again) and notes any op that computes. A forward
+logs each call, under a torch function mode that keeps every tensor the forward makes
+alive (the replay writes into them again) and notes any torch call that computes. A forward
 that computes with torch ops between kernels (a bias add, a torch fallback path) is
 not replayable: such shapes stay eager. A graph is trusted only after its first
 replay matched an eager run of the same step bit for bit (the same kernels in the
@@ -28,20 +28,24 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
 
 from pagedllm.core.contracts import AttentionContext, BatchLayout
 from pagedllm.plugins.cpu import native
 
 logger = logging.getLogger("pagedllm")
 
-# ops that only allocate or re-view memory: everything else computes, which a replay of
-# kernel calls would skip
-VIEW_OR_ALLOC_OPS = frozenset({
-    "empty", "empty_strided", "empty_like", "view", "_unsafe_view", "_reshape_alias", "reshape", "slice", "select",
-    "unsqueeze", "squeeze", "as_strided", "alias", "detach", "split", "split_with_sizes", "narrow", "t",
-    "transpose", "permute", "expand", "unbind", "view_as",
+# torch calls that only ask about a tensor, allocate, or re-view memory: anything else
+# computes (or may), which a replay of kernel calls would skip
+QUERY_OPS = frozenset({
+    "__get__", "data_ptr", "stride", "size", "dim", "numel", "element_size", "is_contiguous", "__len__",
+    "untyped_storage", "storage_offset",
 })
+VIEW_OPS = frozenset({
+    "view", "reshape", "contiguous", "__getitem__", "unsqueeze", "squeeze", "split", "narrow", "t", "transpose",
+    "permute", "expand", "view_as", "select", "detach", "unbind", "flatten",
+})
+ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty"})
 
 # Recorded steps of at most this many rows; graphs kept at once hold at most this many
 # bytes of intermediate tensors (least recently used graphs are dropped first).
@@ -67,8 +71,10 @@ class _Recorder:
         return call
 
 
-class _Watch(TorchDispatchMode):
-    """Keeps every tensor made during recording alive and notes the ops that compute."""
+class _Watch(TorchFunctionMode):
+    """Keeps every tensor made during recording alive and notes the torch calls that
+    compute. A view op counts as one only if its result shares its input's memory
+    (`reshape`, `contiguous` and indexing copy when they must)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -76,13 +82,21 @@ class _Watch(TorchDispatchMode):
         self.computed: set[str] = set()
         self.allocated = 0  # bytes of the tensors made here (views of weights and caches are free)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if name not in VIEW_OR_ALLOC_OPS:
-            self.computed.add(name)
-        elif name.startswith("empty"):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", repr(func))
+        if name in QUERY_OPS:
+            return out
+        if name in ALLOC_OPS and "out" not in kwargs:
             self.allocated += out.untyped_storage().nbytes()
+        elif name in VIEW_OPS and "out" not in kwargs and args and isinstance(args[0], torch.Tensor):
+            base = args[0].untyped_storage().data_ptr()
+            results = out if isinstance(out, (tuple, list)) else (out,)
+            if not all(isinstance(r, torch.Tensor) and r.untyped_storage().data_ptr() == base for r in results):
+                self.computed.add(name)
+        else:
+            self.computed.add(name)
         self.keep.append(out)
         return out
 
@@ -154,6 +168,7 @@ class StepReplayer:
         self.max_rows, self.max_bytes = max_rows, max_bytes
         self.graphs: OrderedDict[tuple, StepGraph | None] = OrderedDict()  # None: not replayable
         self.off = False
+        self.said_why = False
 
     def __call__(self, layout: BatchLayout, attn: AttentionContext) -> torch.Tensor:
         rows = layout.input_ids.shape[0]
@@ -191,8 +206,11 @@ class StepReplayer:
             native._recorder = None
         if watch.computed or not recorder.calls:
             self.graphs[key] = None
-            logger.info("step replay: %d-row decode steps run eagerly (the forward computes with torch ops: %s)",
-                        layout.input_ids.shape[0], ", ".join(sorted(watch.computed)) or "no kernel calls")
+            # said once: every batch shape of a model takes the same path
+            (logger.debug if self.said_why else logger.info)(
+                "step replay: %d-row decode steps run eagerly (the forward computes with torch ops: %s)",
+                layout.input_ids.shape[0], ", ".join(sorted(watch.computed)) or "no kernel calls")
+            self.said_why = True
             return out
         if watch.allocated > self.max_bytes:
             self.graphs[key] = None  # alone over the budget: this shape stays eager
