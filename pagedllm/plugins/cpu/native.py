@@ -240,13 +240,12 @@ def dense_linear(x: torch.Tensor, w: DenseWeight, bias: torch.Tensor | None = No
         raise ValueError(f"x: expected a CPU float32 [..., {w.k}], got {x.device} {x.dtype} {list(x.shape)}")
     lead = x.shape[:-1]
     x2 = x if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= w.k else x.reshape(-1, w.k).contiguous()
-    m = x2.shape[0]
-    out = torch.empty(m, w.n, dtype=torch.float32)
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.n,)):
         raise ValueError(f"bias: expected float32 [{w.n}], got {bias.dtype} {list(bias.shape)}")
     b = None if bias is None else _ptr(bias, "bias", torch.float32)
-    if _lib().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(),
-                          w.n) != 0:
+    m = x2.shape[0]
+    out = torch.empty(m, w.n, dtype=torch.float32)
+    if _lib().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(), w.n) != 0:
         raise MemoryError(f"pd_sgemm: out of memory packing {m}x{w.k} activations")
     return out.view(*lead, w.n)
 
@@ -281,7 +280,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     out = torch.empty_like(x)
     res = 0 if residual is None else _ptr(residual, "residual", torch.float32)
     _lib().pd_rms_norm(_ptr(x, "x", torch.float32), res, _ptr(weight, "weight", torch.float32), out.data_ptr(),
-                          t, h, eps)
+                       t, h, eps)
     return out
 
 
@@ -291,7 +290,7 @@ def rope_neox_(x: torch.Tensor, num_heads: int, head_dim: int, cos: torch.Tensor
     if x.dtype != torch.float32 or x.stride(1) != 1 or x.shape[1] < num_heads * head_dim:
         raise ValueError("x: expected float32 [T, >= num_heads * head_dim] with contiguous rows")
     _lib().pd_rope_neox(x.data_ptr(), x.shape[0], x.stride(0), num_heads, head_dim,
-                           _ptr(cos, "cos", torch.float32), _ptr(sin, "sin", torch.float32))
+                        _ptr(cos, "cos", torch.float32), _ptr(sin, "sin", torch.float32))
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:
@@ -310,8 +309,8 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_ca
         if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
             raise ValueError(f"{name}: expected float32 [T, kvh, D] with contiguous rows")
     _lib().pd_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                          _ptr(key_cache, "key_cache", torch.float32), _ptr(value_cache, "value_cache", torch.float32),
-                          _ptr(slots, "slots", torch.int64), t, kvh * d)
+                       _ptr(key_cache, "key_cache", torch.float32), _ptr(value_cache, "value_cache", torch.float32),
+                       _ptr(slots, "slots", torch.int64), t, kvh * d)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
