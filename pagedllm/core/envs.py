@@ -32,8 +32,8 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("PAGEDLLM_LOGGING_LEVEL", "VLLM_LOGGING_LEVEL", "Log level (default INFO)."),
         EnvVar("PAGEDLLM_API_KEY", "VLLM_API_KEY", "API key the server requires (same as --api-key)."),
         EnvVar("PAGEDLLM_CPU_KERNELS", None,
-               "1 (default) builds and uses the native CPU kernels when a C compiler is found, and packs dense "
-               "float32 weights for oneDNN; 0 keeps plain torch ops."),
+               "1 (default) builds and uses the native CPU kernels when a C compiler is found (packed dense "
+               "float32 weights, step replay); 0 keeps plain torch ops."),
         EnvVar("PAGEDLLM_CACHE_DIR", None,
                "Where built native kernels are cached (default ~/.cache/pagedllm)."),
         EnvVar("PAGEDLLM_USE_V1", "VLLM_USE_V1",

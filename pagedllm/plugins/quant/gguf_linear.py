@@ -134,7 +134,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_has_dense = bool(dense)
         if dense:
             weight = (dense[0] if len(dense) == 1 else torch.cat(dense)).to(layer.gguf_params_dtype)
-            layer.gguf_dense_packed = cpu_dense.prepack(weight)  # oneDNN's layout replaces the plain copy
+            layer.gguf_dense_packed = cpu_dense.prepack(weight)  # the packed layout replaces the plain copy
             if layer.gguf_dense_packed is None:
                 layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
 
