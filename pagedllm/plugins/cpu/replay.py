@@ -1,20 +1,20 @@
 """Step replay: what CUDA graphs do on a GPU, for the CPU kernels.
 
-A single-sequence decode step of a small model spends about a quarter of its time in
-Python between kernels: module calls, argument checks, views, allocations. When a
-step's forward is nothing but native kernel calls (plugins/cpu/native.py) on tensors
-whose shapes depend only on the batch shape, the calls and their arguments can be
-recorded once and replayed on later steps with the same shape: the only arguments
-that change are the addresses of the step's inputs (token ids, positions and the
-attention metadata), which are patched in before each replay.
+A single-sequence decode step of a small model spends about half its time in Python
+between kernels: module calls, argument checks, views, allocations (SmolLM2 on two
+Zen 3 cores: 26 ms eager, 13 ms replayed). When a step's forward is nothing but native
+kernel calls (plugins/cpu/native.py) on tensors whose shapes depend only on the batch
+shape, the calls and their arguments can be recorded once and replayed on later steps
+with the same shape: the only arguments that change are the addresses of the step's
+inputs (token ids, positions and the attention metadata), patched in before each replay.
 
 Recording runs the step eagerly, with the kernel library swapped for a stand-in that
 logs each call, under a torch function mode that keeps every tensor the forward makes
-alive (the replay writes into them again) and notes any torch call that computes. A forward
-that computes with torch ops between kernels (a bias add, a torch fallback path) is
-not replayable: such shapes stay eager. A graph is trusted only after its first
-replay matched an eager run of the same step bit for bit (the same kernels in the
-same order give the same bits); a mismatch turns replay off for the engine with a
+alive (the replay writes into them again) and notes any torch call that computes. A
+forward that computes with torch ops between kernels (a bias added by torch, a torch
+fallback path) is not replayable: such shapes stay eager. A graph is trusted only after
+its first replay matched an eager run of the same step bit for bit (the same kernels in
+the same order give the same bits); a mismatch turns replay off for the engine with a
 warning. `--enforce-eager` never records.
 """
 
