@@ -103,7 +103,6 @@ def _native_rows(x: torch.Tensor) -> bool:
     return x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and native.available()
 
 
-
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32; `offset=1` gives Gemma's (1 + w) form."""
 

@@ -58,6 +58,13 @@ def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.devi
             and all(q in native.SUPPORTED_QTYPES for q in qtypes))
 
 
+def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
+    """Whether this call multiplies from the repacked blocks: always without a dense copy,
+    else only for batches of up to NATIVE_MAX_ROWS rows (float32 x in both cases)."""
+    return (bool(layer.gguf_packed) and x.dtype == torch.float32
+            and (not layer.gguf_has_dense or rows <= NATIVE_MAX_ROWS))
+
+
 class GGUFLinearMethod(LinearMethod):
     """A linear layer whose weight arrives as raw ggml blocks (one tensor per shard).
 
@@ -141,7 +148,7 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         packed = layer.gguf_packed
         rows = x.numel() // layer.gguf_input_size
-        if packed and x.dtype == torch.float32 and (not layer.gguf_has_dense or rows <= NATIVE_MAX_ROWS):
+        if _takes_native(layer, x, rows):
             x2 = x.reshape(rows, layer.gguf_input_size).contiguous()
             if len(packed) == 1:
                 out = native.linear(x2, packed[0][0])
@@ -245,7 +252,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
     def logits(self, layer, x):
         rows = x.numel() // layer.gguf_shape[1]
         packed = layer.gguf_packed
-        if packed is not None and x.dtype == torch.float32 and (not layer.gguf_has_dense or rows <= NATIVE_MAX_ROWS):
+        if _takes_native(layer, x, rows):
             return native.linear(x.reshape(rows, -1).contiguous(), packed)
         if layer.gguf_dense_packed is not None and x.dtype == torch.float32:
             return cpu_dense.linear(x, layer.gguf_dense_packed, None)

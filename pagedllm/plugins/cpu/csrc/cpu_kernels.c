@@ -621,10 +621,18 @@ void pd_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
  * over any subset of a batch. q rows have stride q_stride floats, out is [*, H, D].
  * Grouped-query heads: query head h reads kv head h / (H / KVH).
  * soft_cap > 0: scores become soft_cap * tanh(score / soft_cap).
- * Work item = (query row, kv head); each item scores all its group's heads at once,
- * so each key and value row is read once per item.
+ * Work item = (query row, kv head); within an item, keys are scored for two query
+ * heads per pass and values summed for up to three, so each row is loaded fewer times.
  */
 #if PD_AVX2
+/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one vector. */
+static inline __m256 hsum8_avx2(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
 /* Eight dot products q . k_i (D a multiple of 8): one accumulator per key, so eight
  * independent FMA chains, then a transpose-add into one vector of eight scores. */
 static inline __m256 dot8_avx2(const float *qh, const float *const *k, int64_t D) {
@@ -634,10 +642,7 @@ static inline __m256 dot8_avx2(const float *qh, const float *const *k, int64_t D
         __m256 qv = _mm256_loadu_ps(qh + d);
         for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
     }
-    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    return hsum8_avx2(a);
 }
 
 /* Keys and values of one request sit in 16-token blocks scattered over the cache, so
@@ -661,10 +666,7 @@ static inline __m256 dot4x2_avx2(const float *q0, const float *q1, const float *
             a[4 + i] = _mm256_fmadd_ps(x1, kv, a[4 + i]);
         }
     }
-    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+    return hsum8_avx2(a);
 }
 
 /* For `heads` (1-3, a constant at each call) query heads h: out[h*ld + 0:32] =
