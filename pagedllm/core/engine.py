@@ -104,6 +104,13 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: the ranges this model sets (token ids)."""
+        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {self.vocab_size})")
+
     def add_request(self, request_id: str | None, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None) -> str:
         """Queue a request; returns its id. Raises ValueError on bad input (nothing queued)."""
@@ -116,10 +123,7 @@ class LLMEngine:
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = list(prompt_token_ids)
         self.validate_prompt(prompt_token_ids)
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        self.validate_params(params)
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone(
@@ -234,8 +238,10 @@ class AsyncLLMEngine:
     """Runs `LLMEngine.step()` in one background thread; coroutines stream outputs.
 
     The event loop never waits on the model: adds and aborts go through a queue the
-    engine thread drains between steps. An error in a step fails the requests it hit
-    (their streams raise), and the loop goes on serving the rest.
+    engine thread drains between steps. Bad input fails only its own request (its
+    stream raises the ValueError). An error inside a step fails every request in flight
+    at that moment (their streams raise a RuntimeError naming it, their blocks are
+    freed), and the loop goes on serving the requests that arrive after.
     """
 
     def __init__(self, engine: LLMEngine) -> None:

@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedllm.core.request import CompletionOutput, RequestOutput
-from pagedllm.server.errors import APIError, handle_errors
+from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     MAX_LOGPROBS,
     Fields,
@@ -31,20 +30,8 @@ from pagedllm.server.protocol import (
     usage,
 )
 from pagedllm.server.reasoning import ReasoningDelta
-from pagedllm.server.streaming import (
-    DONE,
-    ClientDisconnected,
-    SSEResponse,
-    collect,
-    generate_all,
-    merge,
-    sse,
-    sse_error,
-    until_disconnected,
-)
-
-if TYPE_CHECKING:
-    from pagedllm.server.app import ServerState
+from pagedllm.server.state import ServerState, state_of
+from pagedllm.server.streaming import generate_all, respond
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REFUSED_CHAT_FIELDS = {
@@ -98,7 +85,7 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
 def render_chat(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                 continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
     """The conversation as prompt text and token ids; 400 when the template cannot render it."""
-    tokenizer = state.core.tokenizer
+    tokenizer = state.llm_engine.tokenizer
     template = state.chat_template
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError("this model has no chat template; start the server with --chat-template FILE "
@@ -127,9 +114,9 @@ def chat_logprobs(out: CompletionOutput, start: int, k: int) -> dict[str, Any]:
     return {"content": content}
 
 
-@handle_errors
 async def create_chat_completion(request: Request) -> Response:
-    state: ServerState = request.app.state.pagedllm
+    """One conversation, `n` choices; whole or streamed (see `_chunks`)."""
+    state = state_of(request)
     fields = Fields(await read_json(request, state.settings.max_request_body_bytes))
     model = check_model(fields, state.model_names)
     messages = parse_messages(fields.get("messages", "any", required=True))
@@ -155,20 +142,21 @@ async def create_chat_completion(request: Request) -> Response:
     max_tokens = fields.get(field, "int")
     fields.seen.update(("max_tokens", "max_completion_tokens", "user"))
     k = (top or 0) if want_logprobs else None  # how many alternatives per token, if any
-    values = {**sampling_fields(fields, state.core.vocab_size), "logprobs": k}
-    params = prepare(state.core, [(text, ids)], values, max_tokens, field, "messages")
+    values = {**sampling_fields(fields), "logprobs": k}
+    params = prepare(state.llm_engine, [(text, ids)], values, max_tokens, field, "messages")
     fields.log_unknown("/v1/chat/completions")
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     streams = generate_all(state.engine, state.metrics, request_id, [(text, ids)], params)
     head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model}
-    if stream:
-        return SSEResponse(_stream(state, streams, {**head, "object": "chat.completion.chunk"}, params[0].n,
-                                   k, include_usage))
-    try:
-        finals = await until_disconnected(request, collect(streams))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    chunk_head = {**head, "object": "chat.completion.chunk"}
+    return await respond(request, streams, stream,
+                         chunks=lambda outputs: _chunks(state, outputs, chunk_head, params[0].n, k, include_usage),
+                         answer=lambda finals: _answer(state, finals, head, k))
+
+
+def _answer(state: ServerState, finals: list[RequestOutput], head: dict[str, Any], k: int | None) -> dict[str, Any]:
+    """The whole chat.completion object, reasoning split off when a parser is set."""
     choices = []
     for c in finals[0].outputs:
         message: dict[str, Any] = {"role": "assistant", "content": c.text}
@@ -178,49 +166,43 @@ async def create_chat_completion(request: Request) -> Response:
         choices.append({"index": c.index, "message": message,
                         "logprobs": None if k is None else chat_logprobs(c, 0, k),
                         "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
+    return {**head, "choices": choices, "usage": usage(finals)}
 
 
-async def _stream(state: ServerState, streams: list[AsyncIterator[RequestOutput]], head: dict[str, Any], n: int,
-                  k: int | None, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks: a role chunk per choice, content (and reasoning) deltas, finish, usage, [DONE]."""
+async def _chunks(state: ServerState, outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
+                  n: int, k: int | None, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """Stream chunks: a role chunk per choice, content (and reasoning) deltas, finish, usage."""
     extra = {"usage": None} if include_usage else {}
     for index in range(n):
-        yield sse({**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], **extra})
+        yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                    "logprobs": None, "finish_reason": None}], **extra}
     sent_text = [0] * n
     sent_tokens = [0] * n
     done = [False] * n
     splitters = [ReasoningDelta(state.reasoning) for _ in range(n)] if state.reasoning is not None else None
     final: RequestOutput | None = None
-    try:
-        async with aclosing(merge(streams)) as merged:
-            async for _, out in merged:
-                final = out
-                for c in out.outputs:
-                    i = c.index
-                    if done[i]:
-                        continue
-                    finished = c.finish_reason is not None
-                    delta: dict[str, Any] = {}
-                    if splitters is not None:
-                        reasoning, content = splitters[i].update(c.text, finished)
-                        if reasoning:
-                            delta["reasoning_content"] = reasoning
-                        if content:
-                            delta["content"] = content
-                    elif len(c.text) > sent_text[i]:
-                        delta["content"] = c.text[sent_text[i]:]
-                    new_tokens = len(c.token_ids) > sent_tokens[i]
-                    if not delta and not finished and not (k is not None and new_tokens):
-                        continue
-                    logprobs = chat_logprobs(c, sent_tokens[i], k) if k is not None else None
-                    sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), finished
-                    yield sse({**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                                    "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}], **extra})
-        if include_usage and final is not None:
-            yield sse({**head, "choices": [], "usage": usage([final])})
-    except Exception as exc:
-        yield sse_error(exc)
-    yield DONE
+    async for _, out in outputs:
+        final = out
+        for c in out.outputs:
+            i = c.index
+            if done[i]:
+                continue
+            finished = c.finish_reason is not None
+            delta: dict[str, Any] = {}
+            if splitters is not None:
+                reasoning, content = splitters[i].update(c.text, finished)
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+                if content:
+                    delta["content"] = content
+            elif len(c.text) > sent_text[i]:
+                delta["content"] = c.text[sent_text[i]:]
+            new_tokens = len(c.token_ids) > sent_tokens[i]
+            if not delta and not finished and not (k is not None and new_tokens):
+                continue
+            logprobs = chat_logprobs(c, sent_tokens[i], k) if k is not None else None
+            sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), finished
+            yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], **extra}
+    if include_usage and final is not None:
+        yield {**head, "choices": [], "usage": usage([final])}

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import time
 import uuid
-from contextlib import aclosing
-from typing import TYPE_CHECKING, Any, AsyncIterator
+from typing import Any, AsyncIterator
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import Response
 
 from pagedllm.core.request import CompletionOutput, RequestOutput
-from pagedllm.server.errors import APIError, handle_errors
+from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     MAX_LOGPROBS,
     Fields,
@@ -30,20 +29,8 @@ from pagedllm.server.protocol import (
     top_entries,
     usage,
 )
-from pagedllm.server.streaming import (
-    DONE,
-    ClientDisconnected,
-    SSEResponse,
-    collect,
-    generate_all,
-    merge,
-    sse,
-    sse_error,
-    until_disconnected,
-)
-
-if TYPE_CHECKING:
-    from pagedllm.server.app import ServerState
+from pagedllm.server.state import state_of
+from pagedllm.server.streaming import generate_all, respond
 
 
 def completion_logprobs(out: CompletionOutput, start: int, k: int, text_offset: int) -> dict[str, Any]:
@@ -63,12 +50,12 @@ def completion_logprobs(out: CompletionOutput, start: int, k: int, text_offset: 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-@handle_errors
 async def create_completion(request: Request) -> Response:
-    state: ServerState = request.app.state.pagedllm
+    """One or more prompts, `n` choices each; whole or streamed (see `_chunks`)."""
+    state = state_of(request)
     fields = Fields(await read_json(request, state.settings.max_request_body_bytes))
     model = check_model(fields, state.model_names)
-    prompts = encode_prompt(state.core.tokenizer, fields.get("prompt", "any", required=True))
+    prompts = encode_prompt(state.llm_engine.tokenizer, fields.get("prompt", "any", required=True))
     fields.reject_unsupported({"suffix": "insertion is not built"})
     echo = fields.get("echo", "bool", False)
     num_logprobs = fields.int_in("logprobs", 0, MAX_LOGPROBS)
@@ -78,23 +65,25 @@ async def create_completion(request: Request) -> Response:
     stream = fields.get("stream", "bool", False)
     include_usage = stream_options(fields, stream)
     max_tokens = fields.get("max_tokens", "int", 16)
-    values = {**sampling_fields(fields, state.core.vocab_size), "logprobs": num_logprobs}
-    params = prepare(state.core, prompts, values, max_tokens, "max_tokens", "prompt")
+    values = {**sampling_fields(fields), "logprobs": num_logprobs}
+    params = prepare(state.llm_engine, prompts, values, max_tokens, "max_tokens", "prompt")
     fields.get("user", "str")  # accepted, unused
     fields.log_unknown("/v1/completions")
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    echoes = [(text if text is not None else state.core.tokenizer.decode(ids)) if echo else ""
+    echoes = [(text if text is not None else state.llm_engine.tokenizer.decode(ids)) if echo else ""
               for text, ids in prompts]
     streams = generate_all(state.engine, state.metrics, request_id, prompts, params)
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     n = params[0].n
-    if stream:
-        return SSEResponse(_stream(streams, head, n, echoes, num_logprobs, include_usage))
-    try:
-        finals = await until_disconnected(request, collect(streams))
-    except ClientDisconnected:
-        return Response(status_code=499)
+    return await respond(request, streams, stream,
+                         chunks=lambda outputs: _chunks(outputs, head, n, echoes, num_logprobs, include_usage),
+                         answer=lambda finals: _answer(finals, head, n, echoes, num_logprobs))
+
+
+def _answer(finals: list[RequestOutput], head: dict[str, Any], n: int, echoes: list[str],
+            num_logprobs: int | None) -> dict[str, Any]:
+    """The whole text_completion object: choice `i * n + j` is choice j of prompt i."""
     choices = []
     for i, final in enumerate(finals):
         for c in final.outputs:
@@ -103,44 +92,38 @@ async def create_completion(request: Request) -> Response:
                 "logprobs": None if num_logprobs is None else
                 completion_logprobs(c, 0, num_logprobs, len(echoes[i])),
                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-    return JSONResponse({**head, "choices": choices, "usage": usage(finals)})
+    return {**head, "choices": choices, "usage": usage(finals)}
 
 
-async def _stream(streams: list[AsyncIterator[RequestOutput]], head: dict[str, Any], n: int,
-                  echoes: list[str], num_logprobs: int | None, include_usage: bool) -> AsyncIterator[str]:
-    """SSE chunks: text deltas per choice, a finish chunk per choice, usage, [DONE]."""
+async def _chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any], n: int,
+                  echoes: list[str], num_logprobs: int | None, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+    """Stream chunks: text deltas per choice, a finish chunk per choice, usage."""
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     done: set[int] = set()
     finals: dict[int, RequestOutput] = {}
     extra = {"usage": None} if include_usage else {}
-    try:
-        async with aclosing(merge(streams)) as merged:
-            async for prompt_index, out in merged:
-                finals[prompt_index] = out
-                for c in out.outputs:
-                    index = prompt_index * n + c.index
-                    if index in done:
-                        continue
-                    first = index not in sent_text
-                    delta = (echoes[prompt_index] if first else "") + c.text[sent_text.get(index, 0):]
-                    start = sent_tokens.get(index, 0)
-                    new_tokens = len(c.token_ids) > start
-                    if not delta and not c.finish_reason and not (num_logprobs is not None and new_tokens):
-                        continue
-                    logprobs = None
-                    if num_logprobs is not None:
-                        offset = sent_text.get(index, 0) + len(echoes[prompt_index])
-                        logprobs = completion_logprobs(c, start, num_logprobs, offset)
-                    sent_text[index] = len(c.text)
-                    sent_tokens[index] = len(c.token_ids)
-                    if c.finish_reason:
-                        done.add(index)
-                    yield sse({**head, "choices": [{"index": index, "text": delta, "logprobs": logprobs,
-                                                    "finish_reason": c.finish_reason,
-                                                    "stop_reason": c.stop_reason}], **extra})
-        if include_usage:
-            yield sse({**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])})
-    except Exception as exc:
-        yield sse_error(exc)
-    yield DONE
+    async for prompt_index, out in outputs:
+        finals[prompt_index] = out
+        for c in out.outputs:
+            index = prompt_index * n + c.index
+            if index in done:
+                continue
+            first = index not in sent_text
+            delta = (echoes[prompt_index] if first else "") + c.text[sent_text.get(index, 0):]
+            start = sent_tokens.get(index, 0)
+            new_tokens = len(c.token_ids) > start
+            if not delta and not c.finish_reason and not (num_logprobs is not None and new_tokens):
+                continue
+            logprobs = None
+            if num_logprobs is not None:
+                offset = sent_text.get(index, 0) + len(echoes[prompt_index])
+                logprobs = completion_logprobs(c, start, num_logprobs, offset)
+            sent_text[index] = len(c.text)
+            sent_tokens[index] = len(c.token_ids)
+            if c.finish_reason:
+                done.add(index)
+            yield {**head, "choices": [{"index": index, "text": delta, "logprobs": logprobs,
+                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], **extra}
+    if include_usage:
+        yield {**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])}

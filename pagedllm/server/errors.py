@@ -1,8 +1,9 @@
 """OpenAI-shaped errors: `{"error": {"message", "type", "param", "code"}}`.
 
 Every failure a client can cause is raised as `APIError` with a 4xx status and turned
-into that body by `handle_errors`; anything else is a server bug or an engine error,
-logged with its traceback and answered 500 — it fails only the request that hit it.
+into that body by `handle_errors`. Any other exception is logged with its traceback and
+mapped by `from_engine_error`: a ValueError (input the engine refused) is a 400, the rest
+(a server bug, an engine failure) a 500; either way it fails only the request that hit it.
 """
 
 from __future__ import annotations
@@ -80,8 +81,9 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 def handle_errors(endpoint: Endpoint) -> Endpoint:
     """Wrap an endpoint so every exception becomes an OpenAI-shaped response.
 
-    Done per endpoint rather than as Starlette exception handlers so that an unexpected
-    error is answered and logged once here, and never reaches the server loop.
+    `app.route` applies it to every endpoint as the route table is built. A wrapper
+    rather than Starlette exception handlers, so that an unexpected error is answered
+    and logged once here, and never reaches the server loop.
     """
 
     @functools.wraps(endpoint)

@@ -1,10 +1,11 @@
 """OpenAI request fields: reading, type checks, and the mapping to SamplingParams.
 
 A request body is a JSON object read through `Fields`, which checks each field's type
-as it is asked for and raises `APIError` naming the field. Value ranges are
+as it is asked for and raises `APIError` naming the field. Value ranges are mostly
 SamplingParams' business: its ValueError names the field, and becomes a 400 with that
-`param`. Fields we do not know are ignored (as vLLM does) and logged at debug level;
-fields we know but cannot honour yet are rejected, never silently dropped.
+`param`; the few checked here are those it cannot know (see `sampling_fields`). Fields
+we do not know are ignored (as vLLM does) and logged at debug level; fields we know but
+cannot honour yet are rejected, never silently dropped.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 from starlette.requests import Request
 
+from pagedllm.core.engine import LLMEngine
 from pagedllm.core.request import Logprob, RequestOutput, SamplingParams
 from pagedllm.server.errors import APIError
 
@@ -149,11 +151,13 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, f
     return max_tokens
 
 
-def sampling_fields(fields: Fields, vocab_size: int) -> dict[str, Any]:
+def sampling_fields(fields: Fields) -> dict[str, Any]:
     """The SamplingParams arguments both endpoints share (OpenAI's plus vLLM's extras).
 
-    Values that would break the engine's step for every request in it (token ids outside
-    the vocabulary, a top_k too big for a tensor) are refused here, per request."""
+    Ranges SamplingParams cannot check are refused here: a seed that must leave room for
+    `n` (the engine seeds choice i with seed + i), a top_k that must fit a tensor, the
+    server's limit on `n`. The model's ranges (stop token ids in the vocabulary) are the
+    engine's `validate_params`, asked by `prepare` before a stream's 200 goes out."""
     fields.reject_unsupported({
         "logit_bias": "no logits processor for it",
         "guided_json": "structured outputs are not built", "guided_regex": "structured outputs are not built",
@@ -165,10 +169,6 @@ def sampling_fields(fields: Fields, vocab_size: int) -> dict[str, Any]:
         raise APIError(f"'seed' must be between 0 and {MAX_SEED}, got {seed}", param="seed", code="invalid_value")
     stop = fields.get("stop", "str_or_list")
     stop_token_ids = fields.get("stop_token_ids", "int_list")
-    bad = [t for t in stop_token_ids or [] if not 0 <= t < vocab_size]
-    if bad:
-        raise APIError(f"'stop_token_ids' {bad[:5]} are outside the vocabulary [0, {vocab_size})",
-                       param="stop_token_ids", code="invalid_value")
     n = fields.int_in("n", 1, MAX_N, 1)
     best_of = fields.get("best_of", "int")
     if best_of is not None and best_of != n:
@@ -196,10 +196,14 @@ def sampling_fields(fields: Fields, vocab_size: int) -> dict[str, Any]:
 _PARAM_NAME = re.compile(r"SamplingParams\.(\w+)")
 
 
-def make_sampling_params(values: dict[str, Any]) -> SamplingParams:
-    """SamplingParams from checked fields; its ValueError becomes a 400 naming the field."""
+def make_sampling_params(values: dict[str, Any], llm_engine: LLMEngine | None = None) -> SamplingParams:
+    """SamplingParams from checked fields, checked against the engine's model when given;
+    a ValueError becomes a 400 naming the field."""
     try:
-        return SamplingParams(**values)
+        params = SamplingParams(**values)
+        if llm_engine is not None:
+            llm_engine.validate_params(params)
+        return params
     except ValueError as exc:
         match = _PARAM_NAME.search(str(exc))
         raise APIError(str(exc), param=match.group(1) if match else None, code="invalid_value") from None
@@ -260,17 +264,17 @@ def encode_prompt(tokenizer: Any, value: Any, param: str = "prompt") -> list[tup
                    "token-id arrays", param=param, code="invalid_type")
 
 
-def prepare(core: Any, prompts: list[tuple[str | None, list[int]]], values: dict[str, Any],
+def prepare(llm_engine: LLMEngine, prompts: list[tuple[str | None, list[int]]], values: dict[str, Any],
             max_tokens: int | None, field: str, prompt_param: str) -> list[SamplingParams]:
     """Check each prompt against the engine and the context window; one SamplingParams each.
 
     `field` names the max-tokens field the client used, `prompt_param` the prompt's."""
     params = []
     for _, ids in prompts:
-        budget = check_context(len(ids), max_tokens, core.max_model_len, field, prompt_param)
+        budget = check_context(len(ids), max_tokens, llm_engine.max_model_len, field, prompt_param)
         try:
-            core.validate_prompt(ids)
+            llm_engine.validate_prompt(ids)
         except ValueError as exc:
             raise APIError(str(exc), param=prompt_param, code="invalid_value") from None
-        params.append(make_sampling_params({**values, "max_tokens": budget}))
+        params.append(make_sampling_params({**values, "max_tokens": budget}, llm_engine))
     return params

@@ -6,6 +6,8 @@ cancelled. Everything here exists to make sure one of the two always happens:
 `SSEResponse` closes its body iterator however the response ends, the body iterators
 close the engine iterators they wrap (`aclosing`), `merge` cancels its pump tasks,
 and `until_disconnected` cancels a non-streaming generation whose client has gone.
+`respond` puts these together for the generating endpoints, which only say what
+their chunks and their whole answer look like.
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import asyncio
 import json
 import time
 from contextlib import aclosing
-from typing import Any, AsyncIterator, Awaitable, TypeVar
+from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from pagedllm.core.engine import AsyncLLMEngine
@@ -181,3 +183,42 @@ async def _wait_disconnect(request: Request) -> None:
         message = await request.receive()
         if message["type"] == "http.disconnect":
             return
+
+
+Chunks = Callable[[AsyncIterator[tuple[int, RequestOutput]]], AsyncIterator[dict[str, Any]]]
+Answer = Callable[[list[RequestOutput]], dict[str, Any]]
+
+
+async def respond(request: Request, streams: list[AsyncIterator[RequestOutput]], stream: bool,
+                  chunks: Chunks, answer: Answer) -> Response:
+    """The response of a generating endpoint: SSE when `stream`, else one JSON object.
+
+    Args:
+        request: the request, whose body has been read.
+        streams: the engine streams of its prompts (see `generate_all`).
+        stream: whether the client asked for server-sent events.
+        chunks: the stream's JSON chunks, given the merged (stream index, output) pairs.
+        answer: the JSON answer, given each stream's final output in stream order.
+
+    A whole answer whose client leaves first is 499 (nginx's "client closed request"),
+    which nobody reads but the access log.
+    """
+    if stream:
+        return SSEResponse(event_stream(streams, chunks))
+    try:
+        finals = await until_disconnected(request, collect(streams))
+    except ClientDisconnected:
+        return Response(status_code=499)
+    return JSONResponse(answer(finals))
+
+
+async def event_stream(streams: list[AsyncIterator[RequestOutput]], chunks: Chunks) -> AsyncIterator[str]:
+    """SSE events of `chunks` over the merged streams, then [DONE]. The status line has gone
+    out already, so a failure is reported in an error event before [DONE]."""
+    try:
+        async with aclosing(merge(streams)) as merged, aclosing(chunks(merged)) as payloads:
+            async for payload in payloads:
+                yield sse(payload)
+    except Exception as exc:
+        yield sse_error(exc)
+    yield DONE

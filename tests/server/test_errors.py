@@ -114,7 +114,7 @@ def test_bad_chat_requests_are_400(server, body: dict[str, Any], param: str, tex
 
 
 def test_chat_template_failures_are_400(server) -> None:
-    state = SimpleNamespace(core=server.engine.engine,
+    state = SimpleNamespace(llm_engine=server.engine.engine,
                             chat_template="{{ raise_exception('roles must alternate') }}")
     with pytest.raises(APIError) as exc_info:
         render_chat(state, [{"role": "user", "content": "hi"}])
@@ -205,3 +205,13 @@ def test_engine_error_fails_only_its_request(server, monkeypatch: pytest.MonkeyP
         ok = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     server.wait_idle()
+
+
+def test_bad_stop_token_ids_are_400_before_a_stream_starts(server) -> None:
+    """Checked by the server, not left to the engine: the engine sees the request only
+    after a stream's 200 has been sent, and its error names no `param`."""
+    with server.client() as http:
+        for path, body in [("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})]:
+            check_error(http.post(path, json={**body, "stop_token_ids": [10**6], "stream": True}), 400,
+                        "stop_token_ids", "vocabulary")

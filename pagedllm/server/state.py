@@ -1,0 +1,94 @@
+"""What the handlers share: the server's settings and the per-app state built from them.
+
+Kept apart from the route table so that every endpoint module can import the state
+type without importing the app (which imports them all). `ServerSettings` fields carry
+the same metadata as the engine's config dataclasses, so `pagedllm serve --help` is
+generated from both.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from pagedllm.core.config import opt
+from pagedllm.core.engine import AsyncLLMEngine, LLMEngine
+from pagedllm.server.metrics import ServerMetrics
+from pagedllm.server.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser, get_reasoning_parser
+
+
+@dataclass
+class ServerSettings:
+    """The HTTP server's options (the engine's are in `EngineConfig`)."""
+
+    host: str = opt("127.0.0.1", "Address to listen on; 0.0.0.0 for every interface (vLLM's "
+                    "choice when no host is given).", "server")
+    port: int = opt(8000, "Port to listen on.", "server")
+    api_key: str | None = opt(None, "Require 'Authorization: Bearer KEY' on /v1 routes "
+                              "(default: env PAGEDLLM_API_KEY or VLLM_API_KEY; none).", "server")
+    chat_template: str | None = opt(None, "Chat template: a file path or an inline Jinja string "
+                                    "(default: the tokenizer's).", "server")
+    reasoning_parser: str | None = opt(None, "Split <think>…</think> into reasoning_content "
+                                       "(default: off).", "server", choices=sorted(REASONING_PARSERS))
+    enable_reasoning: bool = opt(False, "Deprecated vLLM spelling: --reasoning-parser alone enables "
+                                 "reasoning.", "server")
+    max_request_body_bytes: int = opt(16 << 20, "Largest request body accepted (413 beyond).", "server")
+    uvicorn_log_level: str = opt("info", "Log level of uvicorn's access and error logs.", "server",
+                                 choices=["critical", "error", "warning", "info", "debug", "trace"])
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """`--chat-template`: the contents of a file, or the value itself if it is inline Jinja."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as f:
+            return f.read()
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template {value!r} is neither an existing file nor an inline Jinja template")
+
+
+def served_model_names(engine: AsyncLLMEngine) -> list[str]:
+    """`--served-model-name`, else the model as given on the command line (as vLLM does),
+    else — the bundled default model — its file name, which is shorter to type than its path."""
+    model = engine.engine.config.model
+    return [model.served_model_name or model.model or os.path.basename(engine.engine.model_path)]
+
+
+@dataclass
+class ServerState:
+    """What every handler needs, stored on `app.state.pagedllm`."""
+
+    engine: AsyncLLMEngine
+    settings: ServerSettings
+    model_names: list[str]
+    metrics: ServerMetrics
+    chat_template: str | None
+    reasoning: DeepSeekR1ReasoningParser | None
+    created: int
+
+    @classmethod
+    def create(cls, engine: AsyncLLMEngine, settings: ServerSettings) -> ServerState:
+        """The state of an app serving `engine`; reads the chat template file now, so a bad
+        `--chat-template` fails at start-up rather than on the first chat request."""
+        names = served_model_names(engine)
+        return cls(engine=engine, settings=settings, model_names=names,
+                   metrics=ServerMetrics(engine, names[0]),
+                   chat_template=load_chat_template(settings.chat_template),
+                   reasoning=get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser
+                   else None, created=int(time.time()))
+
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The synchronous LLMEngine behind `engine` (tokenizer, limits, stats); read-only
+        from handlers, since its own thread drives it."""
+        return self.engine.engine
+
+
+def state_of(request: Request) -> ServerState:
+    """The state of the app that received `request`."""
+    return request.app.state.pagedllm
