@@ -10,33 +10,14 @@ Commands: /exit, /reset (forget the conversation), /system TEXT (set the system 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from typing import Any, Callable, TextIO
 
-from pagedllm.core.config import CONCERNS
 from pagedllm.core.request import SamplingParams
+from pagedllm.engine_args import engine_kwargs_from_args
 
 HELP = "commands: /exit, /reset, /system TEXT   (Ctrl-C stops an answer, Ctrl-D quits)"
 DEFAULT_MAX_TOKENS = 512
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """`LLM(**kwargs)` arguments (without the model) from `args`.
-
-    `pagedllm chat` hands over `args.engine_kwargs`, already validated; otherwise every
-    engine field (vLLM name) that `args` carries with a non-None value is taken, and
-    `args.plugin_options` (a dict) goes through untouched.
-    """
-    given = getattr(args, "engine_kwargs", None)
-    if given is not None:
-        return {k: v for k, v in given.items() if k != "model"}
-    names = {f.name for concern in CONCERNS.values() for f in dataclasses.fields(concern)} - {"model"}
-    kwargs = {name: getattr(args, name) for name in names if getattr(args, name, None) is not None}
-    plugin_options = getattr(args, "plugin_options", None)
-    if plugin_options:
-        kwargs["plugin_options"] = dict(plugin_options)
-    return kwargs
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -105,7 +86,10 @@ def run_chat(args: argparse.Namespace, *, llm: Any = None, input_fn: Callable[[s
     if llm is None:
         from pagedllm.llm import LLM
 
-        llm = LLM(getattr(args, "model", None), **engine_kwargs(args))
+        kwargs = getattr(args, "engine_kwargs", None)  # `pagedllm chat` validated them already
+        if kwargs is None:
+            kwargs = engine_kwargs_from_args(args)
+        llm = LLM(getattr(args, "model", None), **{k: v for k, v in kwargs.items() if k != "model"})
     session = ChatSession(llm, sampling_params(args), getattr(args, "system", None))
 
     def write(text: str) -> None:

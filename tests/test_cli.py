@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
@@ -10,17 +11,17 @@ import socket
 import subprocess
 import sys
 import time
-import types
 from typing import Any
 
 import httpx
 import pytest
 
 import pagedllm
-from pagedllm import cli
+from pagedllm import bench, chat_cli, cli
 from pagedllm.core.config import CONCERNS
 from pagedllm.core.engine import AsyncLLMEngine
 from pagedllm.core.plugins import get_registry
+from pagedllm.engine_args import engine_config_from_args, engine_flags, engine_kwargs_from_args
 
 VLLM_FLAGS = [
     "--host", "--port", "--dtype", "--trust-remote-code", "--max-model-len", "--gpu-memory-utilization",
@@ -63,20 +64,29 @@ def parse(*argv: str) -> Any:
 def test_flags_map_to_engine_arguments_and_only_given_ones() -> None:
     args = parse("serve", "my-model", "--max-model-len", "1024", "--no-enable-prefix-caching", "--kv-cache-memory",
                  "2GiB", "--dtype", "bfloat16", "-tp", "1", "--speculative-config", "{}")
-    kwargs = cli.engine_kwargs_from_args(args)
+    kwargs = engine_kwargs_from_args(args)
     assert kwargs["model"] == "my-model"
     assert kwargs["max_model_len"] == 1024
     assert kwargs["enable_prefix_caching"] is False
     assert kwargs["kv_cache_memory"] == 2 << 30
     assert kwargs["speculative_config"] == {}
     assert "max_num_seqs" not in kwargs  # defaults stay with the dataclasses
-    config = cli.engine_config_from_args(args)
+    config = engine_config_from_args(args)
     assert config.scheduler.max_num_seqs == 256 and config.model.dtype == "bfloat16"
+
+
+def test_engine_flags_parse_back_to_the_same_engine_arguments(flag_plugin: Any) -> None:
+    kwargs = {"model": "m", "max_model_len": 64, "enable_prefix_caching": False, "enforce_eager": True,
+              "kv_cache_memory": 8 << 20, "speculative_config": {}, "tokenizer": None,
+              "plugin_options": {"toy_level": 5}}
+    again = engine_kwargs_from_args(parse("serve", *engine_flags(kwargs)))
+    assert again.pop("plugin_options")["toy_level"] == 5  # installed plugins add their own defaults
+    assert again == {k: v for k, v in kwargs.items() if v is not None and k != "plugin_options"}
 
 
 def test_model_given_twice_differently_is_an_error() -> None:
     with pytest.raises(ValueError, match="twice"):
-        cli.engine_kwargs_from_args(parse("serve", "a", "--model", "b"))
+        engine_kwargs_from_args(parse("serve", "a", "--model", "b"))
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -144,16 +154,14 @@ def flag_plugin() -> Any:
 
 
 def test_plugin_flags_reach_plugin_options(flag_plugin: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.engine_kwargs_from_args(parse("serve", "--toy-level", "7"))["plugin_options"]["toy_level"] == 7
-    assert cli.engine_config_from_args(parse("serve")).plugin_options["toy_level"] == 3
+    assert engine_kwargs_from_args(parse("serve", "--toy-level", "7"))["plugin_options"]["toy_level"] == 7
+    assert engine_config_from_args(parse("serve")).plugin_options["toy_level"] == 3
     assert "--toy-level" in serve_help(capsys)
 
 
 def test_chat_dispatches_with_a_validated_engine_config(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: dict[str, Any] = {}
-    fake = types.ModuleType("pagedllm.chat_cli")
-    fake.run_chat = lambda args: seen.update(vars(args))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pagedllm.chat_cli", fake)
+    monkeypatch.setattr(chat_cli, "run_chat", lambda args: seen.update(vars(args)))
     cli.main(["chat", "m", "--system", "Be brief.", "--max-tokens", "9", "--max-model-len", "64"])
     assert seen["system"] == "Be brief." and seen["max_tokens"] == 9 and seen["temperature"] == 0.7
     assert seen["model"] == "m" and seen["max_model_len"] == 64 and isinstance(seen["plugin_options"], dict)
@@ -161,32 +169,27 @@ def test_chat_dispatches_with_a_validated_engine_config(monkeypatch: pytest.Monk
 
 
 def test_chat_exit_status_is_passed_on(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = types.ModuleType("pagedllm.chat_cli")
-    fake.run_chat = lambda args: 3  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pagedllm.chat_cli", fake)
+    monkeypatch.setattr(chat_cli, "run_chat", lambda args: 3)
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["chat"])
     assert exit_info.value.code == 3
 
 
-def test_chat_without_chat_module_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setitem(sys.modules, "pagedllm.chat_cli", None)  # import fails: as if not installed
-    with pytest.raises(SystemExit) as exit_info:
-        cli.main(["chat"])
-    assert exit_info.value.code == 2 and "not available" in capsys.readouterr().err
+def test_chat_cli_reads_engine_arguments_from_a_hand_built_namespace() -> None:
+    """`run_chat` outside `pagedllm chat`: engine fields by vLLM name, None left out."""
+    args = argparse.Namespace(model="m", dtype="float32", max_model_len=None, temperature=0.0,
+                              plugin_options={"toy_level": 2})
+    assert engine_kwargs_from_args(args) == {"model": "m", "dtype": "float32", "plugin_options": {"toy_level": 2}}
 
 
 def test_bench_is_delegated(monkeypatch: pytest.MonkeyPatch) -> None:
     ran: dict[str, Any] = {}
-    fake = types.ModuleType("pagedllm.bench")
 
     def add_parser(subparsers: Any) -> None:
         subparsers.add_parser("bench").add_argument("--num-prompts", type=int)
 
-    fake.add_parser = add_parser  # type: ignore[attr-defined]
-    fake.main = lambda args: ran.update(vars(args))  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "pagedllm.bench", fake)
+    monkeypatch.setattr(bench, "add_parser", add_parser)
+    monkeypatch.setattr(bench, "main", lambda args: ran.update(vars(args)))
     cli.main(["bench", "--num-prompts", "5"])
     assert ran["num_prompts"] == 5
 
@@ -235,7 +238,7 @@ def test_serve_defaults_to_a_2048_token_step_budget_like_vllms_server():
     parser = cli.build_parser(["serve"])
     args = parser.parse_args(["serve"])
     cli.apply_serve_defaults(args)
-    assert cli.engine_config_from_args(args).scheduler.max_num_batched_tokens == 2048
+    assert engine_config_from_args(args).scheduler.max_num_batched_tokens == 2048
     args = parser.parse_args(["serve", "--max-num-batched-tokens", "4096"])
     cli.apply_serve_defaults(args)
-    assert cli.engine_config_from_args(args).scheduler.max_num_batched_tokens == 4096, "an explicit flag must win"
+    assert engine_config_from_args(args).scheduler.max_num_batched_tokens == 4096, "an explicit flag must win"

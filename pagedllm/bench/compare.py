@@ -40,6 +40,7 @@ from pagedllm.bench.peers import (ALL_ENGINES, EngineSpec, cpu_has_native_bf16, 
                                   resolve_hf_model)
 from pagedllm.bench.serve import _stream_one, benchmark, completions_url
 from pagedllm.bench.workload import BenchRequest, random_requests, special_ids, vocab_size_of
+from pagedllm.engine_args import add_engine_args, engine_kwargs_from_args
 
 RUNNERS = Path(__file__).parent / "runners"
 
@@ -55,8 +56,6 @@ class EngineResult:
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
-    from pagedllm.bench.offline import add_engine_args
-
     g = parser.add_argument_group("workload")
     g.add_argument("--num-prompts", type=int, default=32, help="Prompts in the batched and serve runs.")
     g.add_argument("--input-len", type=int, default=128, help="Prompt length in tokens.")
@@ -309,12 +308,11 @@ def table(results: list[EngineResult]) -> str:
 
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     """Build the prompts, run every engine in turn, print the table and write the JSON."""
-    from pagedllm.bench.offline import engine_kwargs
     from pagedllm.core.config import default_model
 
     peers_dir = Path(args.peers_dir)
     seed = getattr(args, "seed", 0)  # the engine's --seed also seeds the prompts
-    kwargs = engine_kwargs(args)
+    kwargs = engine_kwargs_from_args(args)
     if not kwargs.get("plugin_options"):
         kwargs.pop("plugin_options", None)
     wanted = {e.strip() for e in args.engines.split(",")}

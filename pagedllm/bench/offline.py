@@ -14,20 +14,7 @@ from typing import Any
 
 from pagedllm.bench.stats import DEFAULT_PERCENTILES, mean, percentile
 from pagedllm.bench.workload import BenchRequest, build_requests, random_requests, special_ids, vocab_size_of
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """MODEL / --model and every engine flag, exactly as `pagedllm serve` takes them."""
-    from pagedllm.cli import add_engine_args as add
-
-    add(parser)
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """The engine arguments given on the command line, as `LLM(**kwargs)` takes them."""
-    from pagedllm.cli import engine_kwargs_from_args
-
-    return engine_kwargs_from_args(args)
+from pagedllm.engine_args import add_engine_args, engine_kwargs_from_args
 
 
 def prompt_seed(args: argparse.Namespace) -> int:
@@ -64,7 +51,7 @@ def _load(args: argparse.Namespace) -> tuple[Any, float]:
     from pagedllm import LLM
 
     start = time.perf_counter()
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**engine_kwargs_from_args(args))
     return llm, time.perf_counter() - start
 
 
@@ -101,7 +88,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
         "requests_per_second": len(requests) / elapsed,
         "output_tokens_per_second": output_tokens / elapsed,
         "tokens_per_second": (prompt_tokens + output_tokens) / elapsed,
-        "engine_args": engine_kwargs(args),
+        "engine_args": engine_kwargs_from_args(args),
     }
     print(f"Model load: {load_s:.2f} s")
     print(f"Throughput: {result['requests_per_second']:.2f} requests/s, "
@@ -148,7 +135,7 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
         "avg_latency": mean(latencies),
         "latencies": latencies,
         "percentiles": {str(q): percentile(latencies, q) for q in DEFAULT_PERCENTILES},
-        "engine_args": engine_kwargs(args),
+        "engine_args": engine_kwargs_from_args(args),
     }
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
     for q, value in result["percentiles"].items():

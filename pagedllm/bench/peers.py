@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from pagedllm.engine_args import engine_flags
 
 ALL_ENGINES = ("pagedllm", "vllm", "llamacpp", "transformers-bf16", "transformers-fp32")
 NOT_INSTALLED = "not installed (run scripts/setup_peers.sh)"
@@ -100,7 +101,7 @@ def engine_specs(args: argparse.Namespace, hf_model: str, gguf: str | None, max_
         if name == "pagedllm":
             model = pagedllm_kwargs.get("model")
             kwargs = {"max_model_len": max_len, **pagedllm_kwargs}
-            cmd = [sys.executable, "-m", "pagedllm.cli", "serve", *_flags(kwargs),
+            cmd = [sys.executable, "-m", "pagedllm.cli", "serve", *engine_flags(kwargs),
                    "--host", "127.0.0.1", "--port", "{port}"]
             has_server = importlib.util.find_spec("pagedllm.server") is not None
             specs.append(EngineSpec(name, sys.executable, "pagedllm_runner.py", model or "(bundled GGUF)",
@@ -144,22 +145,3 @@ def engine_specs(args: argparse.Namespace, hf_model: str, gguf: str | None, max_
                                     {"model": hf_model, "dtype": dtype, "batch_size": args.hf_batch_size},
                                     server_note="no OpenAI server in this comparison"))
     return specs
-
-
-def _flags(kwargs: dict[str, Any]) -> list[str]:
-    """Engine keyword arguments back into `pagedllm serve` flags."""
-    out: list[str] = []
-    for key, value in kwargs.get("plugin_options", {}).items():
-        if value not in (None, False):
-            out += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
-    for key, value in kwargs.items():
-        if value is None or key == "plugin_options":
-            continue
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            out.append(flag if value else "--no-" + key.replace("_", "-"))
-        elif isinstance(value, dict):
-            out += [flag, json.dumps(value)]
-        else:
-            out += [flag, str(value)]
-    return out

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -49,3 +51,11 @@ def test_latency_reports_percentiles(tiny_model_dir: Callable[..., Any], tmp_pat
     assert len(result["latencies"]) == 3
     assert set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert min(result["latencies"]) <= result["percentiles"]["50"] <= max(result["latencies"])
+
+
+def test_bench_takes_the_engine_flags_without_importing_the_cli() -> None:
+    """`pagedllm.bench` builds and reads its engine flags with `pagedllm.engine_args` alone."""
+    code = ("import sys, pagedllm.bench as b; "
+            "b.build_parser().parse_args(['bench', 'throughput', '-tp', '1', '--max-model-len', '64']); "
+            "sys.exit('pagedllm.cli' in sys.modules)")
+    assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0

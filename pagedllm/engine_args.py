@@ -1,0 +1,192 @@
+"""Engine arguments on the command line: flags in, `LLM(**kwargs)` / `EngineConfig` out.
+
+Every command that builds an engine (`pagedllm serve`, `pagedllm chat`, the `pagedllm
+bench` subcommands) takes the same engine flags and must read them back the same
+way, so both directions live here once. The flags are generated from the fields of
+the config dataclasses in `pagedllm.core.config` (`--max-model-len` for
+`ModelConfig.max_model_len`; help text, group and choices from the field metadata
+that `opt(...)` records), so a new config field is a new flag everywhere with no
+edit here. Plugins add their own flags through the `pagedllm_add_cli_args` hook;
+their values travel in `plugin_options`. Defaults stay with the dataclasses: only
+flags given on the command line are passed on.
+
+The core never imports this module: it depends on argparse conventions, the core
+does not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import types
+import typing
+from typing import Any, Callable, Sequence
+
+from pagedllm.core.config import CONCERNS, EngineConfig
+
+GROUP_TITLES = {
+    "model": "model",
+    "cache": "KV cache",
+    "scheduler": "scheduler",
+    "parallel": "parallelism (not supported yet: sizes other than 1 are refused)",
+    "device": "device and kernels",
+    "spec": "speculative decoding (not supported yet)",
+    "server": "server",
+}
+FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
+# Where `add_engine_args` records the dests of the plugins' flags in the namespace.
+PLUGIN_DESTS = "_pagedllm_plugin_dests"
+SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+# Every engine argument by its vLLM name (the fields of all the concerns).
+ENGINE_FIELDS = frozenset(f.name for cls in CONCERNS.values() for f in dataclasses.fields(cls))
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: `4294967296`, `4G`, `4GiB`, `512M` (binary units)."""
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = SIZE_SUFFIXES.get(value[-1:], 1) if value else 1
+    number = value[:-1] if scale != 1 else value
+    try:
+        return int(float(number) * scale)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use bytes or e.g. 4G, 512MiB)") from None
+
+
+def parse_json_object(text: str) -> dict[str, Any]:
+    """A JSON object given as a flag's value (e.g. `--speculative-config '{...}'`)."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"method\": \"ngram\"}'")
+    return value
+
+
+FIELD_PARSERS: dict[str, Callable[[str], Any]] = {"kv_cache_memory": parse_bytes}
+TYPE_PARSERS: dict[type, Callable[[str], Any]] = {str: str, int: int, float: float, dict: parse_json_object}
+
+
+def _base_type(annotation: Any) -> type:
+    """`int | None` -> int."""
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        annotation = args[0]
+    return typing.get_origin(annotation) or annotation
+
+
+def _default_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return str(value)
+
+
+def add_dataclass_args(parser: argparse.ArgumentParser, cls: type, skip: Sequence[str] = ()) -> None:
+    """One flag per field of `cls`, in an argument group named by the field's metadata.
+
+    Every default is argparse.SUPPRESS, so the namespace holds only what was given and
+    the dataclass stays the one place where defaults live (shown in --help).
+    """
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in skip or "help" not in f.metadata:
+            continue
+        key = f.metadata.get("group", "other")
+        if key not in groups:
+            groups[key] = parser.add_argument_group(GROUP_TITLES.get(key, key))
+        help_text = f.metadata["help"].replace("%", "%%")
+        if "default" not in help_text and f.default is not None and f.name != "api_key":
+            help_text += f" (default: {_default_text(f.default)})"
+        flags = [f"--{f.name.replace('_', '-')}", *FLAG_ALIASES.get(f.name, [])]
+        base = _base_type(hints[f.name])
+        kwargs: dict[str, Any] = {"dest": f.name, "default": argparse.SUPPRESS, "help": help_text}
+        if base is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        else:
+            kwargs["type"] = FIELD_PARSERS.get(f.name) or TYPE_PARSERS.get(base, str)
+            kwargs["metavar"] = f.name.upper() if base is not dict else "JSON"
+            if "choices" in f.metadata:
+                kwargs["choices"] = f.metadata["choices"]
+                kwargs["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+        groups[key].add_argument(*flags, **kwargs)
+
+
+def add_plugin_args(parser: argparse.ArgumentParser) -> None:
+    """The installed plugins' flags (`pagedllm_add_cli_args`), in their own group.
+
+    Their dests are recorded in the namespace so `engine_kwargs_from_args` can hand
+    exactly those values on as `plugin_options`."""
+    from pagedllm.core.plugins import get_registry  # loads the plugins: only when a parser is built
+
+    before = {a.dest for a in parser._actions}
+    group = parser.add_argument_group("plugin options (added by installed plugins)")
+    try:
+        get_registry().pm.hook.pagedllm_add_cli_args(parser=group)
+    except argparse.ArgumentError as exc:
+        raise SystemExit(f"pagedllm: error: a plugin added a conflicting flag: {exc}") from None
+    parser.set_defaults(**{PLUGIN_DESTS: sorted({a.dest for a in parser._actions} - before)})
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """MODEL (positional, optional), every engine flag, and the plugins' flags.
+
+    For any command that builds an engine (serve, chat, bench); read the result back
+    with `engine_kwargs_from_args` / `engine_config_from_args`.
+    """
+    parser.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
+                        help="Model: a Hugging Face directory or a .gguf file (default: the bundled "
+                             "SmolLM2-135M-Instruct GGUF). Same as --model.")
+    for cls in CONCERNS.values():
+        add_dataclass_args(parser, cls)
+    add_plugin_args(parser)
+
+
+def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The vLLM-style flat keyword arguments (`LLM(**kwargs)`) that `args` carries.
+
+    From a parser built by `add_engine_args`: the engine flags given (and only those),
+    MODEL or --model as `model` (both, differing, is a ValueError), and the plugins'
+    flag values as `plugin_options`. A namespace built by hand works as well: its
+    engine fields (vLLM names) that are not None, and its own `plugin_options` dict.
+    """
+    kwargs = {name: value for name, value in vars(args).items() if name in ENGINE_FIELDS and value is not None}
+    model_tag = getattr(args, "model_tag", None)
+    if model_tag is not None:
+        if kwargs.get("model") not in (None, model_tag):
+            raise ValueError(f"the model is given twice: {model_tag!r} and --model {kwargs['model']!r}")
+        kwargs["model"] = model_tag
+    if hasattr(args, PLUGIN_DESTS):
+        kwargs["plugin_options"] = {d: getattr(args, d) for d in getattr(args, PLUGIN_DESTS) if hasattr(args, d)}
+    else:
+        kwargs["plugin_options"] = dict(getattr(args, "plugin_options", None) or {})
+    return kwargs
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The validated EngineConfig; raises ValueError / NotImplementedError naming the field."""
+    return EngineConfig.from_kwargs(**engine_kwargs_from_args(args))
+
+
+def engine_flags(kwargs: dict[str, Any]) -> list[str]:
+    """Engine keyword arguments back into flags (for a `pagedllm serve` subprocess).
+
+    The inverse of `engine_kwargs_from_args`: `--name value`, `--flag` / `--no-flag` for
+    booleans, JSON for dicts; None is left out. Plugin options become `--dest value`
+    (a plugin flag set to False or None is left out)."""
+    out: list[str] = []
+    for key, value in kwargs.get("plugin_options", {}).items():
+        if value not in (None, False):
+            out += ["--" + key.replace("_", "-")] + ([] if value is True else [str(value)])
+    for key, value in kwargs.items():
+        if value is None or key == "plugin_options":
+            continue
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + key.replace("_", "-"))
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        else:
+            out += [flag, str(value)]
+    return out
