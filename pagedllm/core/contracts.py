@@ -2,13 +2,15 @@
 
 Four kinds of plugin meet the core here: attention backends, quantizers, speculative
 proposers and model architectures, plus checkpoint formats (a file type such as GGUF
-that carries config, tokenizer and weights together). Data crossing a boundary is a
+that carries config, tokenizer and weights together), implementations of the layer ops
+(`pagedllm.ops`) and graph runners (capture a step's forward once, replay it after). Data crossing a boundary is a
 frozen dataclass; behaviour is a small ABC. Tensors in a `BatchLayout` are owned by the
 worker and valid for one step; plugins must not keep references past `forward`.
 """
 
 from __future__ import annotations
 
+import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar, Iterator, Sequence
@@ -131,13 +133,23 @@ class AttentionImpl(ABC):
         """
 
 
+class GraphSupport(enum.Enum):
+    """Which steps' forward can be captured once and replayed with a backend's metadata."""
+
+    NEVER = "never"
+    # pure-decode steps (one query token per request): every tensor of the metadata has a
+    # shape that depends only on the batch shape, so a capture per shape replays
+    DECODE = "decode"
+
+
 class AttentionBackend(ABC):
     """A family of attention kernels over the paged KV cache (class-level facts only)."""
 
     name: ClassVar[str]
     # Auto-selection picks the runnable backend with the highest priority for the device.
     priority: ClassVar[dict[str, int]] = {}
-    supports_fp8_kv_cache: ClassVar[bool] = False
+    # Which steps a graph runner may capture with this backend's metadata (see GraphRunner).
+    graph_support: ClassVar[GraphSupport] = GraphSupport.NEVER
 
     @classmethod
     @abstractmethod
@@ -166,13 +178,6 @@ class AttentionBackend(ABC):
     def impl_cls(cls) -> type[AttentionImpl]:
         """The per-layer implementation class (imported lazily, on selection)."""
 
-    @classmethod
-    def step_replayer(cls, model: nn.Module) -> Callable[[BatchLayout, AttentionContext], torch.Tensor] | None:
-        """Something that runs the model's forward for a step faster than calling it, by
-        replaying recorded kernel calls (what CUDA graphs do on a GPU); None runs every
-        step eagerly. Asked once after loading, unless --enforce-eager."""
-        return None
-
 
 @dataclass
 class AttentionContext:
@@ -186,6 +191,7 @@ class AttentionContext:
     kv_caches: list[torch.Tensor]
 
 
+# the element type of each non-"auto" name in config.KV_CACHE_DTYPES
 KV_CACHE_TORCH_DTYPES: dict[str, torch.dtype] = {
     "fp8": torch.float8_e4m3fn,
     "fp8_e4m3": torch.float8_e4m3fn,
@@ -301,10 +307,12 @@ class SpecProposer(ABC):
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """The shape of the KV cache a model needs: one entry per attention layer."""
+    """A model's attention and KV-cache facts (on this rank): what the worker needs to
+    pick an attention backend and size the cache before the model is built."""
 
-    num_layers: int
-    num_kv_heads: int  # on this rank
+    num_layers: int  # attention layers, each with its own cache tensor
+    num_heads: int  # query heads
+    num_kv_heads: int
     head_size: int
 
     def bytes_per_token(self, element_size: int) -> int:
@@ -352,9 +360,63 @@ class CausalLM(nn.Module, ABC):
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
         """Consume (checkpoint name, tensor) pairs; return the parameter names filled."""
 
+    @classmethod
     @abstractmethod
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """The KV-cache layout this model needs."""
+    def kv_cache_spec(cls, hf_config: Any) -> KVCacheSpec:
+        """The attention / KV-cache facts of a model with this config (asked before the
+        model is built, to choose the attention backend and size the cache; the model's
+        own layers should read their head counts from here too)."""
+
+
+# --------------------------------------------------------------------------- layer ops
+
+
+@dataclass(frozen=True)
+class OpImpl:
+    """One implementation of a layer op of `pagedllm.ops` (rms_norm, rotary_qkv,
+    silu_and_mul, gather_rows, pack_linear; each op's docstring there is its contract).
+
+    Offered through the `pagedllm_op_impls` hook. For each (device type, dtype) of an
+    op's first tensor argument, the op uses the runnable implementation with the highest
+    `priority`, chosen on first use and kept; the op's plain-torch reference (priority 0)
+    runs where no other can.
+    """
+
+    op: str  # the op's name in pagedllm.ops
+    name: str  # shown in logs, e.g. "cpu_native"
+    fn: Callable[..., Any]  # the op's signature and semantics
+    # reasons it cannot run on tensors of this device and dtype (empty: it can)
+    check: Callable[[torch.device, torch.dtype], list[str]]
+    priority: int = 10
+
+
+# --------------------------------------------------------------------------- graph capture
+
+
+class GraphRunner(ABC):
+    """Runs a step's forward faster than calling the model: captures it once per batch
+    shape and replays it later (CUDA graphs on a GPU; recorded native kernel calls on the
+    CPU). The worker builds the runnable one with the highest priority for its device
+    after loading, unless --enforce-eager; without one, every step runs eagerly.
+    """
+
+    name: ClassVar[str]
+    priority: ClassVar[dict[str, int]] = {}
+
+    @classmethod
+    @abstractmethod
+    def check(cls, device: torch.device, backend: type[AttentionBackend]) -> list[str]:
+        """Reasons it cannot run here (empty = it can). `backend.graph_support` says which
+        steps the attention backend's metadata allows capturing."""
+
+    def __init__(self, model: nn.Module, backend: type[AttentionBackend]) -> None:
+        self.model = model
+        self.backend = backend
+
+    @abstractmethod
+    def __call__(self, layout: BatchLayout, attn: AttentionContext) -> torch.Tensor:
+        """Hidden states for the step, equal to `model(layout.input_ids, layout.positions,
+        attn)`; steps it cannot replay it runs eagerly."""
 
 
 # --------------------------------------------------------------------------- checkpoint formats

@@ -13,6 +13,7 @@ import logging
 from typing import Any
 
 import pluggy
+import torch
 
 from pagedllm.core import envs, hookspecs
 from pagedllm.core.contracts import (
@@ -20,6 +21,8 @@ from pagedllm.core.contracts import (
     AttentionSpec,
     CausalLM,
     CheckpointFormat,
+    GraphRunner,
+    OpImpl,
     QuantConfig,
     SpecProposer,
 )
@@ -46,6 +49,9 @@ class PluginRegistry:
             pm.hook.pagedllm_model_architectures(), "model architecture")
         self.checkpoint_formats: dict[str, type[CheckpointFormat]] = self._merge(
             pm.hook.pagedllm_checkpoint_formats(), "checkpoint format")
+        self.graph_runners: dict[str, type[GraphRunner]] = self._merge(
+            pm.hook.pagedllm_graph_runners(), "graph runner")
+        self.op_impls: dict[str, list[OpImpl]] = self._merge_op_impls(pm.hook.pagedllm_op_impls())
 
     @staticmethod
     def _merge(results: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -56,6 +62,19 @@ class PluginRegistry:
                     raise ValueError(f"two plugins define the {kind} {name!r}: {merged[name]} and {cls}")
                 merged[name] = cls
         return merged
+
+    @staticmethod
+    def _merge_op_impls(results: list[list[OpImpl]]) -> dict[str, list[OpImpl]]:
+        """{op name: its implementations, highest priority first}."""
+        by_op: dict[str, list[OpImpl]] = {}
+        for impls in results:
+            for impl in impls or []:
+                if any(other.name == impl.name for other in by_op.get(impl.op, [])):
+                    raise ValueError(f"two plugins define the implementation {impl.name!r} of op {impl.op!r}")
+                by_op.setdefault(impl.op, []).append(impl)
+        for impls in by_op.values():
+            impls.sort(key=lambda i: -i.priority)
+        return by_op
 
     # ------------------------------------------------------------------ lookups
 
@@ -128,6 +147,13 @@ class PluginRegistry:
         device = spec.device.type
         best = max(runnable, key=lambda n: self.attention_backends[n].priority.get(device, -1))
         return self.attention_backends[best]
+
+    def graph_runner(self, device: torch.device, backend: type[AttentionBackend]) -> type[GraphRunner] | None:
+        """The runnable graph runner with the highest priority for `device`, or None."""
+        runnable = [cls for cls in self.graph_runners.values() if not cls.check(device, backend)]
+        if not runnable:
+            return None
+        return max(runnable, key=lambda cls: cls.priority.get(device.type, -1))
 
 
 def _allowed_names() -> set[str] | None:

@@ -22,6 +22,7 @@ from pagedllm.core.contracts import (
     AttentionSpec,
     BatchLayout,
     CausalLM,
+    GraphRunner,
     ModelContext,
     kv_cache_torch_dtype,
 )
@@ -96,13 +97,14 @@ class Worker:
                 raise ValueError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
         kv_dtype_name = config.cache.kv_cache_dtype
         self.kv_dtype = kv_cache_torch_dtype(kv_dtype_name, self.dtype)
-        probe = self._spec_for(source.hf_config)
+        self.kv_spec = model_cls.kv_cache_spec(source.hf_config)
+        self.attn_spec = AttentionSpec(num_heads=self.kv_spec.num_heads, num_kv_heads=self.kv_spec.num_kv_heads,
+                                       head_size=self.kv_spec.head_size, dtype=self.dtype,
+                                       kv_cache_dtype=kv_dtype_name, block_size=self.block_size,
+                                       device=self.device)
         requested, decided_by = _requested_backend(config)
-        self.backend = registry.attention_backend(requested, probe)
+        self.backend = registry.attention_backend(requested, self.attn_spec)
         logger.info("attention backend %s (%s)", self.backend.name, decided_by)
-        if kv_dtype_name != "auto" and not self.backend.supports_fp8_kv_cache:
-            raise ValueError(f"attention backend {self.backend.name} does not support kv_cache_dtype="
-                             f"{kv_dtype_name}; use one that does or --kv-cache-dtype auto")
 
         ctx = ModelContext(hf_config=source.hf_config, dtype=self.dtype, device=self.device,
                            attention_backend=self.backend, kv_cache_dtype=kv_dtype_name,
@@ -114,18 +116,13 @@ class Worker:
         self.model.load_weights(self._cast(source.weights()))
         self.model.eval()
         logger.info("loaded %s weights in %.1fs", type(self.model).__name__, time.perf_counter() - start)
-        spec = self.model.kv_cache_spec()
-        self.attn_spec = AttentionSpec(num_heads=probe.num_heads, num_kv_heads=spec.num_kv_heads,
-                                       head_size=spec.head_size, dtype=self.dtype,
-                                       kv_cache_dtype=kv_dtype_name, block_size=self.block_size,
-                                       device=self.device)
         self.builder = self.backend.builder_cls()(self.attn_spec)
         self.budget = self._plan_memory()
+        spec = self.kv_spec
         shape = self.backend.kv_cache_shape(self.budget.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
         self.kv_caches = [zeroed(shape, self.kv_dtype, self.device) for _ in range(spec.num_layers)]
         self.sampler = Sampler(config.model.seed, self.device)
-        # steps the backend can replay instead of calling the model (CUDA-graph-like)
-        self.replayer = None if config.device.enforce_eager else self.backend.step_replayer(self.model)
+        self.graph_runner = None if config.device.enforce_eager else self._graph_runner(registry)
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -135,18 +132,18 @@ class Worker:
                 tensor = tensor.to(self.dtype)
             yield name, tensor
 
-    def _spec_for(self, hf_config: Any) -> AttentionSpec:
-        """The attention facts from the HF config, to pick a backend before the model exists."""
-        num_heads = hf_config.num_attention_heads
-        head_size = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // num_heads
-        num_kv_heads = getattr(hf_config, "num_key_value_heads", None) or num_heads
-        return AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size,
-                             dtype=self.dtype, kv_cache_dtype=self.config.cache.kv_cache_dtype,
-                             block_size=self.block_size, device=self.device)
+    def _graph_runner(self, registry: PluginRegistry) -> GraphRunner | None:
+        """What replays captured steps instead of calling the model (CUDA graphs, CPU step
+        replay), if any runs here with this attention backend."""
+        runner_cls = registry.graph_runner(self.device, self.backend)
+        if runner_cls is None:
+            logger.info("graph capture: none runs here with %s; every step runs eagerly", self.backend.name)
+            return None
+        logger.info("graph capture: %s (--enforce-eager turns it off)", runner_cls.name)
+        return runner_cls(self.model, self.backend)
 
     def _plan_memory(self) -> KVBudget:
-        spec = self.model.kv_cache_spec()
-        bytes_per_token = spec.bytes_per_token(torch.empty((), dtype=self.kv_dtype).element_size())
+        bytes_per_token = self.kv_spec.bytes_per_token(torch.empty((), dtype=self.kv_dtype).element_size())
         cache = self.config.cache
         if self.device.type == "cuda":
             available, source = self._profile_cuda(bytes_per_token)
@@ -167,7 +164,7 @@ class Worker:
             return cache.kv_cache_memory, "kv_cache_memory"
         num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
-        spec = self.model.kv_cache_spec()
+        spec = self.kv_spec
         shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
         scratch = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
         torch.cuda.synchronize()
@@ -228,8 +225,8 @@ class Worker:
         layout = self._layout(tokens, [e.num_computed_tokens for e in entries],
                               [e.num_new_tokens for e in entries], [list(e.block_ids) for e in entries])
         attn = AttentionContext(self.builder.build(layout), self.kv_caches)
-        if self.replayer is not None:
-            hidden = self.replayer(layout, attn)
+        if self.graph_runner is not None:
+            hidden = self.graph_runner(layout, attn)
         else:
             hidden = self.model(layout.input_ids, layout.positions, attn)
         sampling = [i for i, e in enumerate(entries) if e.samples]

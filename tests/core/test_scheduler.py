@@ -79,3 +79,27 @@ def test_abort_frees_blocks():
     assert bm.num_free_blocks < 16
     sched.abort("a")
     assert bm.num_free_blocks == 16 and a.status.value == "abort" and not sched.has_unfinished
+
+
+def test_speculative_tokens_are_scheduled_and_rejected_ones_rolled_back():
+    """The core side of speculative decoding: 1 + k tokens are scheduled for a request
+    with k proposals, and after verification only the accepted prefix (plus the token
+    sampled in place of the first rejected proposal) counts as computed; a block holding
+    a rejected proposal's slot is never registered in the prefix cache."""
+    sched, bm = make(budget=8)
+    a = req("a", 5, max_tokens=8)
+    sched.add_request(a)
+    step(sched)  # prefill of 5 tokens, token 7 sampled
+    assert (a.num_computed_tokens, a.num_tokens) == (5, 6)
+    a.spec_token_ids = [11, 12, 13]  # what a proposer would set before the step
+    out = sched.schedule()
+    assert [(e.request.request_id, e.num_new_tokens, e.samples) for e in out.scheduled] == [("a", 4, True)]
+    assert len(bm.block_ids("a")) == 3, "room for the 9 tokens (5 + 1 + 3 proposals) in blocks of 4"
+    # verification kept proposal 11, rejected 12 and sampled 99 in its place
+    sched.update_from_output(out, {"a": [11, 99]})
+    assert a.output_token_ids == [7, 11, 99]
+    assert a.spec_token_ids == []
+    assert a.num_computed_tokens == 7, "the rejected proposals' KV must count as not computed"
+    assert len(bm.cached) == 1, "only block 0 is full of computed tokens; block 1 holds 99 uncomputed"
+    out = step(sched)
+    assert [(e.num_computed_tokens, e.num_new_tokens) for e in out.scheduled] == [(7, 1)]

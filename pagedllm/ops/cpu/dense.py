@@ -5,7 +5,7 @@ blocked layout each time: at decode batch sizes (8-64 rows) that costs as much a
 multiply (measured on SmolLM2's shapes, AVX2, 2 threads: 1.3-2.4x faster packed at
 9-64 rows, the 49152-row lm_head 1.9x at 64 rows; equal at 4096 rows).
 
-Two packed kernels, best first: the native GEMM (csrc/cpu_kernels.c, pd_sgemm) where
+Two packed kernels, best first: the native GEMM (csrc/sgemm.c, pd_sgemm) where
 the kernels are built, else oneDNN's packed-weight linear that torch ships (the kernels
 its inductor uses). MKL and oneDNN are tuned for Intel cores: on AMD Zen 3 with two
 threads (best of repeated runs, SmolLM2's four layer shapes and its lm_head), the native
@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from pagedllm.plugins.cpu import native
+from pagedllm.ops.cpu import native
 
 # The batch-size hint oneDNN picks a blocked layout for; any row count works with it.
 PACK_HINT_ROWS = 256

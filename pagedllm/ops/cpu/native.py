@@ -1,11 +1,12 @@
-"""Builds and loads the native CPU kernels (csrc/cpu_kernels.c) through ctypes.
+"""Builds and loads the native CPU kernels (csrc/: one .c file per kernel family and the
+header they share, pd_kernels.h) through ctypes, as one library.
 
 Why ctypes and a C compiler at run time rather than a torch C++ extension: plain C
 compiles in about a second (torch's headers take a minute), needs no build step at
 install time, and the library is built for the CPU it runs on (-march=native). The
-result is cached under `PAGEDLLM_CACHE_DIR` (default ~/.cache/pagedllm), keyed by the
-source, the flags and the CPU's feature flags, so a shared home directory never hands
-one machine another's binary.
+result is cached under `PAGEDLLM_CACHE_DIR` (default ~/.cache/pagedllm), keyed by every
+source and header, the flags and the CPU's feature flags, so editing any of them rebuilds
+and a shared home directory never hands one machine another's binary.
 
 If no compiler is found or the build fails, `kernels()` returns None and the callers
 keep their torch paths; `PAGEDLLM_CPU_KERNELS=0` turns the native path off on purpose.
@@ -15,6 +16,7 @@ wrappers below check what the C code assumes, and raise a ValueError naming the 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -26,6 +28,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterator
 
 import torch
 
@@ -33,9 +36,14 @@ from pagedllm.core import envs
 
 logger = logging.getLogger("pagedllm")
 
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-ABI_VERSION = 2
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
+HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
+ABI_VERSION = 2  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
+
+# what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
+PD_OK, PD_EINVAL, PD_ENOMEM, PD_ERANGE = 0, -1, -2, -3
 
 # ggml type ids the quantized linear kernel reads
 SUPPORTED_QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
@@ -70,7 +78,11 @@ def _cpu_fingerprint() -> str:
 
 def _library_path(compiler: str) -> Path:
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), compiler.encode(), _cpu_fingerprint().encode()):
+    for path in (*SOURCES, *HEADERS):
+        data = path.read_bytes()
+        key.update(f"{path.name}:{len(data)}:".encode())
+        key.update(data)
+    for part in (" ".join(FLAGS).encode(), compiler.encode(), _cpu_fingerprint().encode()):
         key.update(part)
     root = Path(envs.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
     return root / "native" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
@@ -82,7 +94,7 @@ def _build(compiler: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        cmd = [compiler, *FLAGS, str(SOURCE), "-o", tmp, "-lm"]
+        cmd = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]  # each .c includes "pd_kernels.h" beside it
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{result.stderr[-2000:]}")
@@ -129,9 +141,49 @@ def available() -> bool:
     return kernels() is not None
 
 
-# While a step is recorded (plugins/cpu/replay.py), the kernel calls of the wrappers
-# below go through this stand-in for the library, which runs and logs each call.
-_recorder = None
+class _Recorder:
+    """Stands in for the library while a step is recorded: runs each call and logs it
+    as (kernel name, function, arguments, return value)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.calls: list[tuple[str, Any, tuple, Any]] = []
+
+    def __getattr__(self, name: str):
+        fn = getattr(self.lib, name)
+
+        def call(*args):
+            rc = fn(*args)
+            self.calls.append((name, fn, args, rc))
+            return rc
+
+        return call
+
+
+_recorder: _Recorder | None = None
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[tuple[str, Any, tuple, Any]]]:
+    """Within the block, every kernel call made by the wrappers below runs and is also
+    appended to the yielded list as (kernel name, ctypes function, arguments, return
+    value): what a step replayer needs to call them again. Not re-entrant."""
+    global _recorder
+    if _recorder is not None:
+        raise RuntimeError("native.recording() is already active")
+    lib = kernels()
+    if lib is None:
+        raise RuntimeError("native.recording(): the native CPU kernels are not available here")
+    _recorder = _Recorder(lib)
+    try:
+        yield _recorder.calls
+    finally:
+        _recorder = None
+
+
+def pointer_args(kernel: str) -> list[int]:
+    """Positions of the pointer arguments of `kernel` (those a replay may re-point)."""
+    return [i for i, kind in enumerate(_SIGNATURES[kernel][1]) if kind is ctypes.c_void_p]
 
 
 def _lib():
@@ -185,7 +237,7 @@ def pack(raw: torch.Tensor, qtype: int, k: int) -> PackedWeight:
     m = torch.empty(n, nblocks, dtype=torch.float32) if qtype != 8 else torch.empty(0, dtype=torch.float32)
     raw = raw.contiguous()  # held here: a temporary would be freed before C reads it
     if kernels().pd_repack(qtype, _ptr(raw, "raw", torch.uint8), n, k, codes.data_ptr(), d.data_ptr(),
-                           m.data_ptr() if m.numel() else None) != 0:
+                           m.data_ptr() if m.numel() else None) != PD_OK:
         raise ValueError(f"pd_repack: ggml type {qtype} or K={k} not supported")
     return PackedWeight(qtype, n, k, codes, d, m)
 
@@ -203,9 +255,9 @@ def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) ->
         raise ValueError(f"out: expected a float32 [{m}, {w.n}] view with unit column stride")
     rc = lib.pd_linear_packed(w.qtype, _ptr(x, "x", torch.float32), m, k, *w.pointers, w.n, out.data_ptr(),
                               out.stride(0))
-    if rc == -2:
+    if rc == PD_ENOMEM:
         raise MemoryError(f"pd_linear_packed: out of memory for {m}x{k} activations")
-    if rc != 0:
+    if rc != PD_OK:
         raise ValueError(f"pd_linear_packed: ggml type {w.qtype} or K={k} not supported")
     return out
 
@@ -245,7 +297,7 @@ def dense_linear(x: torch.Tensor, w: DenseWeight, bias: torch.Tensor | None = No
     b = None if bias is None else _ptr(bias, "bias", torch.float32)
     m = x2.shape[0]
     out = torch.empty(m, w.n, dtype=torch.float32)
-    if _lib().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(), w.n) != 0:
+    if _lib().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(), w.n) != PD_OK:
         raise MemoryError(f"pd_sgemm: out of memory packing {m}x{w.k} activations")
     return out.view(*lead, w.n)
 
@@ -269,7 +321,7 @@ def linear_q(x: torch.Tensor, raw: torch.Tensor, qtype: int, out: torch.Tensor |
 
 def dequantize(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     out = torch.empty(n, k, dtype=torch.float32)
-    if kernels().pd_dequantize(qtype, _ptr(raw, "raw", torch.uint8), n, k, out.data_ptr()) != 0:
+    if kernels().pd_dequantize(qtype, _ptr(raw, "raw", torch.uint8), n, k, out.data_ptr()) != PD_OK:
         raise ValueError(f"pd_dequantize: ggml type {qtype} or K={k} not supported")
     return out
 
@@ -335,10 +387,10 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         block_tables.stride(0), _ptr(seq_lens, "seq_lens", torch.int32), _ptr(query_start, "query_start", torch.int32),
         _ptr(row_start, "row_start", torch.int32), seq_lens.shape[0], _ptr(out, "out", torch.float32), h, kvh, d,
         block_size, scale, window, soft_cap)
-    if rc == -3:
+    if rc == PD_ERANGE:
         raise ValueError(f"paged_attention: a seq_len is longer than its block-table row "
                          f"({block_tables.shape[1]} blocks of {block_size}) or shorter than its query")
-    if rc != 0:
+    if rc != PD_OK:
         raise MemoryError("pd_paged_attention: could not allocate the per-thread score rows")
 
 
@@ -350,15 +402,6 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     out = torch.empty((ids.shape[0], *table.shape[1:]), dtype=torch.float32)
     rows = table.shape[0]
     if _lib().pd_gather_rows(_ptr(table, "table", torch.float32), rows, table.numel() // rows if rows else 0,
-                             _ptr(ids, "ids", torch.int64), ids.shape[0], out.data_ptr()) != 0:
+                             _ptr(ids, "ids", torch.int64), ids.shape[0], out.data_ptr()) != PD_OK:
         raise IndexError(f"gather_rows: an id is outside [0, {rows})")
     return out
-
-
-def lookup_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """table[ids] for 1-D int64 ids: one native call for a contiguous float32 CPU table
-    (so a recorded step replays it, see replay.py), torch indexing otherwise."""
-    if (table.dtype == torch.float32 and table.device.type == "cpu" and ids.dim() == 1 and ids.dtype == torch.int64
-            and ids.device.type == "cpu" and table.is_contiguous() and available()):
-        return gather_rows(table, ids)
-    return table[ids]

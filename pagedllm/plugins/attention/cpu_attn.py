@@ -2,7 +2,7 @@
 
 The TORCH reference gathers whole blocks of every request into a padded tensor each
 layer, then runs SDPA: on a CPU, that copy is as expensive as the attention itself.
-Here the C kernel (plugins/cpu/csrc) walks each request's block table and reads keys
+Here the C kernel (ops/cpu/csrc) walks each request's block table and reads keys
 and values in place, for decodes and for prefill chunks up to `NATIVE_MAX_QUERY_LEN`
 tokens; longer chunks go through the reference path, where torch's fused SDPA wins.
 Same cache layout as TORCH: [2, num_blocks, block_size, num_kv_heads, head_size].
@@ -16,14 +16,20 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedllm.core.contracts import AttentionBackend, AttentionMetadataBuilder, AttentionSpec, BatchLayout
+from pagedllm.core.contracts import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    AttentionSpec,
+    BatchLayout,
+    GraphSupport,
+)
 from pagedllm.plugins.attention.torch_ref import AttentionGroup, TorchAttentionImpl, _group
-from pagedllm.plugins.cpu import native
+from pagedllm.ops.cpu import native
 
 # Query chunks longer than this attend through torch's SDPA (see the module doc).
 NATIVE_MAX_QUERY_LEN = 256
 # Block tables are padded to a multiple of this many blocks, so their shape (part of a
-# recorded step's key, see plugins/cpu/replay.py) changes once per 512 tokens, not 16.
+# recorded step's key, see plugins/cpu_native/replay.py) changes once per 512 tokens, not 16.
 BLOCK_TABLE_WIDTH_STEP = 32
 
 
@@ -88,6 +94,9 @@ class CpuAttentionImpl(TorchAttentionImpl):
 class CpuAttnBackend(AttentionBackend):
     name = "CPU_ATTN"
     priority = {"cpu": 200}  # above TORCH (100) on the CPU whenever it can run
+    # every kernel is native and the metadata's shapes depend only on the batch shape
+    # (block tables padded, see BLOCK_TABLE_WIDTH_STEP): decode steps can be replayed
+    graph_support = GraphSupport.DECODE
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:
@@ -109,11 +118,3 @@ class CpuAttnBackend(AttentionBackend):
     @classmethod
     def impl_cls(cls):
         return CpuAttentionImpl
-
-    @classmethod
-    def step_replayer(cls, model):
-        # every kernel here is native and the metadata's shapes depend only on the batch
-        # shape (block tables padded, see BLOCK_TABLE_WIDTH_STEP): decode steps replay
-        from pagedllm.plugins.cpu.replay import StepReplayer
-
-        return StepReplayer(model)

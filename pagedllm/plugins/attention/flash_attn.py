@@ -117,7 +117,6 @@ def _installed_version(dist: str) -> tuple[int, ...] | None:
 class FlashAttnBackend(AttentionBackend):
     name = "FLASH_ATTN"
     priority = {"cuda": 30}
-    supports_fp8_kv_cache = False
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:
@@ -129,6 +128,9 @@ class FlashAttnBackend(AttentionBackend):
             if version is not None and version < MIN_VERSION:
                 reasons.append(f"flash-attn >= {'.'.join(map(str, MIN_VERSION))} is needed (paged varlen, softcap); "
                                f"found {'.'.join(map(str, version))}")
+        if spec.kv_cache_dtype != "auto":
+            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype}: this wrapper keeps the cache in the model dtype "
+                           "(use TRITON or FLASHINFER for an FP8 cache)")
         if spec.device.type != "cuda" or not torch.cuda.is_available():
             reasons.append("FlashAttention needs a CUDA GPU")
         elif torch.cuda.get_device_capability(spec.device) < (8, 0):

@@ -183,7 +183,6 @@ class FlashInferImpl(AttentionImpl):
 class FlashInferBackend(AttentionBackend):
     name = "FLASHINFER"
     priority = {"cuda": 20}
-    supports_fp8_kv_cache = True
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:

@@ -142,7 +142,6 @@ class TorchAttentionImpl(AttentionImpl):
 class TorchBackend(AttentionBackend):
     name = "TORCH"
     priority = {"cpu": 100, "cuda": 0}
-    supports_fp8_kv_cache = True
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:

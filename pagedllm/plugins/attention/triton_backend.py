@@ -148,7 +148,6 @@ class TritonBackend(AttentionBackend):
     name = "TRITON"
     # On the CPU it only runs interpreted (tests); it must never win over TORCH there.
     priority = {"cuda": 10, "cpu": 1}
-    supports_fp8_kv_cache = True
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:

@@ -3,24 +3,24 @@
 A single-sequence decode step of a small model spends about half its time in Python
 between kernels: module calls, argument checks, views, allocations (SmolLM2 on two
 Zen 3 cores: 26 ms eager, 13 ms replayed). When a step's forward is nothing but native
-kernel calls (plugins/cpu/native.py) on tensors whose shapes depend only on the batch
+kernel calls (pagedllm/ops/cpu/native.py) on tensors whose shapes depend only on the batch
 shape, the calls and their arguments can be recorded once and replayed on later steps
 with the same shape: the only arguments that change are the addresses of the step's
 inputs (token ids, positions and the attention metadata), patched in before each replay.
 
-Recording runs the step eagerly, with the kernel library swapped for a stand-in that
-logs each call, under a torch function mode that keeps every tensor the forward makes
+Recording runs the step eagerly inside `native.recording()`, which logs each kernel
+call, under a torch function mode that keeps every tensor the forward makes
 alive (the replay writes into them again) and notes any torch call that computes. A
 forward that computes with torch ops between kernels (a bias added by torch, a torch
 fallback path) is not replayable: such shapes stay eager. A graph is trusted only after
 its first replay matched an eager run of the same step bit for bit (the same kernels in
 the same order give the same bits); a mismatch turns replay off for the engine with a
-warning. `--enforce-eager` never records.
+warning. `--enforce-eager` never records. Only attention backends whose metadata allows
+it (`graph_support`, CPU_ATTN's pure-decode steps) are replayed.
 """
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 from collections import OrderedDict
@@ -30,8 +30,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from pagedllm.core.contracts import AttentionContext, BatchLayout
-from pagedllm.plugins.cpu import native
+from pagedllm.core.contracts import AttentionBackend, AttentionContext, BatchLayout, GraphRunner, GraphSupport
+from pagedllm.ops.cpu import native
 
 logger = logging.getLogger("pagedllm")
 
@@ -51,24 +51,6 @@ ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty"})
 # bytes of intermediate tensors (least recently used graphs are dropped first).
 MAX_ROWS = 64
 MAX_BYTES = 256 << 20
-
-
-class _Recorder:
-    """Stands in for the kernel library while a step is recorded: runs and logs each call."""
-
-    def __init__(self, lib: Any) -> None:
-        self.lib = lib
-        self.calls: list[tuple[str, Any, tuple, Any]] = []
-
-    def __getattr__(self, name: str):
-        fn = getattr(self.lib, name)
-
-        def call(*args):
-            rc = fn(*args)
-            self.calls.append((name, fn, args, rc))
-            return rc
-
-        return call
 
 
 class _Watch(TorchFunctionMode):
@@ -131,9 +113,8 @@ class StepGraph:
                   if t.numel()]
         self.calls = []
         for name, fn, args, rc in calls:
-            pointer_args = [i for i, kind in enumerate(native._SIGNATURES[name][1]) if kind is ctypes.c_void_p]
             patches = []
-            for i in pointer_args:
+            for i in native.pointer_args(name):
                 value = args[i]
                 owners = [(start, owner) for start, end, owner in ranges if value is not None and start <= value < end]
                 if len(owners) > 1:
@@ -159,14 +140,33 @@ class StepGraph:
         return self.output
 
 
-class StepReplayer:
+class StepReplayer(GraphRunner):
     """Runs decode steps (one query row per request) through recorded graphs, one per
-    batch shape, recording on first sight; other steps run eagerly."""
+    batch shape, recording on the second sight (the first runs eagerly, as a warm-up);
+    other steps run eagerly."""
 
-    def __init__(self, model: nn.Module, max_rows: int = MAX_ROWS, max_bytes: int = MAX_BYTES) -> None:
-        self.model = model
+    name = "cpu_replay"
+    priority = {"cpu": 100}
+
+    @classmethod
+    def check(cls, device: torch.device, backend: type[AttentionBackend]) -> list[str]:
+        reasons = []
+        if device.type != "cpu":
+            reasons.append("replays native CPU kernels only")
+        if backend.graph_support is GraphSupport.NEVER:
+            reasons.append(f"attention backend {backend.name} does not allow capturing steps")
+        if not reasons and not native.available():
+            reasons.append("native CPU kernels unavailable")
+        return reasons
+
+    def __init__(self, model: nn.Module, backend: type[AttentionBackend], max_rows: int = MAX_ROWS,
+                 max_bytes: int = MAX_BYTES) -> None:
+        super().__init__(model, backend)
         self.max_rows, self.max_bytes = max_rows, max_bytes
         self.graphs: OrderedDict[tuple, StepGraph | None] = OrderedDict()  # None: not replayable
+        # shapes seen once: a shape is recorded on its second step, so that whatever a
+        # forward builds lazily on its first call (cached norm weights) is not recorded
+        self.warmed: set[tuple] = set()
         self.off = False
         self.said_why = False
 
@@ -177,6 +177,9 @@ class StepReplayer:
         inputs = step_inputs(layout, attn.metadata)
         key = step_key(inputs, attn.metadata)
         if key not in self.graphs:
+            if key not in self.warmed:
+                self.warmed.add(key)
+                return self.model(layout.input_ids, layout.positions, attn)
             return self._record(key, layout, attn, inputs)
         graph = self.graphs[key]
         if graph is None:
@@ -195,16 +198,10 @@ class StepReplayer:
 
     def _record(self, key: tuple, layout: BatchLayout, attn: AttentionContext,
                 inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        lib = native.kernels()
-        recorder = _Recorder(lib)
         watch = _Watch()
-        native._recorder = recorder
-        try:
-            with watch:
-                out = self.model(layout.input_ids, layout.positions, attn)
-        finally:
-            native._recorder = None
-        if watch.computed or not recorder.calls:
+        with native.recording() as calls, watch:
+            out = self.model(layout.input_ids, layout.positions, attn)
+        if watch.computed or not calls:
             self.graphs[key] = None
             # said once: every batch shape of a model takes the same path
             (logger.debug if self.said_why else logger.info)(
@@ -215,7 +212,7 @@ class StepReplayer:
         if watch.allocated > self.max_bytes:
             self.graphs[key] = None  # alone over the budget: this shape stays eager
             return out
-        self.graphs[key] = StepGraph(recorder.calls, inputs, out, watch.keep, watch.allocated)
+        self.graphs[key] = StepGraph(calls, inputs, out, watch.keep, watch.allocated)
         while sum(g.nbytes for g in self.graphs.values() if g is not None) > self.max_bytes and len(self.graphs) > 1:
             self.graphs.popitem(last=False)
         return out

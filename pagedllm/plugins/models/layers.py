@@ -1,6 +1,11 @@
 """Shared building blocks for model plugins: linears with a LinearMethod, norms, rotary
 embeddings and the attention layer that calls the selected backend.
 
+Layers hold parameters and shapes; the arithmetic with faster kernels than torch
+(norms, rotary, the gated activation, row lookups, packed dense matmuls) goes through
+`pagedllm.ops`, which picks the implementation for the device once, so no layer asks
+which hardware it runs on.
+
 A linear layer never asks whether it is quantized: it asks its QuantConfig for a
 LinearMethod and falls back to `UnquantizedLinearMethod`. Fused layers (qkv, gate_up)
 record their sub-matrix sizes, and each parameter knows how to load one shard
@@ -24,7 +29,7 @@ from pagedllm.core.contracts import (
     ModelContext,
     QuantConfig,
 )
-from pagedllm.plugins.cpu import dense, native
+from pagedllm import ops
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -61,17 +66,13 @@ class UnquantizedLinearMethod(LinearMethod):
         layer.register_parameter("weight", weight)
 
     def process_after_loading(self, layer):
-        # float32 on the CPU: oneDNN's packed copy replaces the plain weight (see cpu/dense.py)
-        packed = dense.prepack(layer.weight)
-        if packed is not None:
+        layer.packed = ops.pack_linear(layer.weight)
+        if layer.packed.owns_copy:  # a packed copy (e.g. the CPU GEMM's panels) replaces the plain weight
             del layer.weight
-        layer.weight_packed = packed
 
     def apply(self, layer, x, bias):
-        packed = layer.__dict__.get("weight_packed")
-        if packed is not None and x.dtype == torch.float32:
-            return dense.linear(x, packed, bias)
-        return F.linear(x, layer.weight, bias)
+        packed = layer.__dict__.get("packed")  # set after loading
+        return packed(x, bias) if packed is not None else F.linear(x, layer.weight, bias)
 
 
 class Linear(nn.Module):
@@ -98,11 +99,6 @@ class Linear(nn.Module):
         return self.method.apply(self, x, self.bias)
 
 
-def _native_rows(x: torch.Tensor) -> bool:
-    """Whether x is a float32 [rows, features] CPU tensor the native kernels can take."""
-    return x.dtype == torch.float32 and x.dim() == 2 and x.device.type == "cpu" and native.available()
-
-
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32; `offset=1` gives Gemma's (1 + w) form."""
 
@@ -111,39 +107,19 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, dtype=dtype), requires_grad=False)
         self.eps = eps
         self.offset = offset
-        self._weight: torch.Tensor | None = None
-        self._weight_version = -1
+        self._scale: torch.Tensor | None = None
+        self._scale_version = -1
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """Without residual: norm(x). With residual: (norm(x + residual), x + residual).
+        """norm(x); with `residual`, (norm(x + residual), x + residual) (see ops.rms_norm)."""
+        return ops.rms_norm(x, self.scale(), self.eps, residual)
 
-        float32 rows on the CPU take the native kernel (add and norm in one pass; the
-        residual tensor is updated in place, it is never shared)."""
-        if _native_rows(x):
-            if self._weight is None or self._weight_version != self.weight._version:
-                self._weight = (self.weight.float() + self.offset).contiguous()
-                self._weight_version = self.weight._version
-            if residual is None:
-                return native.rms_norm(x.contiguous(), self._weight, self.eps)
-            residual = residual.contiguous()
-            return native.rms_norm(x.contiguous(), self._weight, self.eps, residual), residual
-        if residual is not None:
-            x = x + residual
-            residual = x
-        if self._weight is None or self._weight_version != self.weight._version:
-            # float32 (1 + w) copy, made once and again only if the weight is written to
-            self._weight = self.weight.float() + self.offset
-            self._weight_version = self.weight._version
-        out = F.rms_norm(x.float(), (x.shape[-1],), self._weight, self.eps).to(x.dtype)
-        return out if residual is None else (out, residual)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for x = [gate | up] along the last dim (the fused gate_up output)."""
-    if _native_rows(x):
-        return native.silu_mul(x.contiguous())
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+    def scale(self) -> torch.Tensor:
+        """offset + weight in float32, made once and again only if the weight is written to."""
+        if self._scale is None or self._scale_version != self.weight._version:
+            self._scale = (self.weight.float() + self.offset).contiguous()
+            self._scale_version = self.weight._version
+        return self._scale
 
 
 def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
@@ -178,10 +154,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style rotary embedding (rotate halves), as Hugging Face Llama applies it.
+    """The cos/sin tables of a neox-style rotary embedding (rotate halves, as Hugging
+    Face Llama applies it).
 
     One instance serves every layer: the model looks up cos/sin for the step's
-    positions once (`lookup`) and each layer only rotates (`apply`).
+    positions once (`lookup`) and each layer rotates with `ops.rotary_qkv`.
     """
 
     def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
@@ -193,37 +170,8 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", freqs.sin(), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, D/2] (float32) for the step's positions."""
-        cos, sin = native.lookup_rows(self.cos, positions), native.lookup_rows(self.sin, positions)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
-
-    @staticmethod
-    def rotate_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                   cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Split a fused qkv output [T, (H + 2 KVH) D] into q, k, v [T, heads, D], q and k
-        rotated. float32 on the CPU rotates in place inside `qkv` (one native call instead
-        of a dozen small ops); otherwise `apply` does it with torch ops."""
-        t = qkv.shape[0]
-        q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
-        if _native_rows(qkv) and qkv.is_contiguous():
-            cos, sin = cos_sin
-            native.rope_neox_(qkv, num_heads + num_kv_heads, head_dim, cos.view(t, -1), sin.view(t, -1))
-            return (qkv[:, :q_size].view(t, num_heads, head_dim),
-                    qkv[:, q_size:q_size + kv_size].view(t, num_kv_heads, head_dim),
-                    qkv[:, q_size + kv_size:].view(t, num_kv_heads, head_dim))
-        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        qk = RotaryEmbedding.apply(torch.cat((q.view(t, num_heads, head_dim), k.view(t, num_kv_heads, head_dim)),
-                                             dim=1), cos_sin)
-        return qk[:, :num_heads], qk[:, num_heads:], v.view(t, num_kv_heads, head_dim)
-
-    @staticmethod
-    def apply(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-        """Rotate x [T, H, D] in float32; returns x's dtype."""
-        cos, sin = cos_sin
-        half = x.shape[-1] // 2
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        """cos, sin of shape [T, D/2] (float32) for the step's positions."""
+        return ops.gather_rows(self.cos, positions), ops.gather_rows(self.sin, positions)
 
 
 class Attention(nn.Module):
@@ -252,18 +200,16 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
         layer.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype), requires_grad=False)
 
     def process_after_loading(self, layer):
-        layer.logits_packed = dense.prepack(layer.weight)  # lookups keep the plain weight
+        layer.head = ops.pack_linear(layer.weight)  # lookups keep the plain weight
 
     def embed(self, layer, input_ids):
         if input_ids.dim() == 1:
-            return native.lookup_rows(layer.weight, input_ids)
+            return ops.gather_rows(layer.weight, input_ids)
         return F.embedding(input_ids, layer.weight)
 
     def logits(self, layer, x):
-        packed = layer.__dict__.get("logits_packed")
-        if packed is not None and x.dtype == torch.float32:
-            return dense.linear(x, packed, None)
-        return F.linear(x, layer.weight)
+        head = layer.__dict__.get("head")
+        return head(x, None) if head is not None else F.linear(x, layer.weight)
 
 
 class VocabEmbedding(nn.Module):

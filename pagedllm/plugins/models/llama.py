@@ -12,6 +12,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.core.contracts import AttentionContext, CausalLM, KVCacheSpec, ModelContext
 from pagedllm.plugins.models.layers import (
     Attention,
@@ -22,21 +23,23 @@ from pagedllm.plugins.models.layers import (
     load_shard,
     process_weights_after_loading,
     rope_parameters,
-    silu_and_mul,
 )
 
 
-def head_dim_of(cfg: Any) -> int:
-    return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+def llama_kv_cache_spec(cfg: Any) -> KVCacheSpec:
+    """Head counts and head size as Hugging Face's Llama config spells them."""
+    num_heads = cfg.num_attention_heads
+    return KVCacheSpec(num_layers=cfg.num_hidden_layers, num_heads=num_heads,
+                       num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
+                       head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
 
 
 class LlamaAttention(nn.Module):
     def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = head_dim_of(cfg)
+        spec = llama_kv_cache_spec(cfg)
+        self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
                                quant_config=ctx.quant_config, prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype)
@@ -53,17 +56,18 @@ class LlamaAttention(nn.Module):
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
                 attn: AttentionContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if not self.qk_norm:
-            q, k, v = RotaryEmbedding.rotate_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, rope)
-            return self.o_proj(self.attn(q, k, v, attn))
-        q, k, v = qkv.split(self.sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.q_norm(q), self.k_norm(k)
-        qk = RotaryEmbedding.apply(torch.cat((q, k), dim=1), rope)
-        q, k = qk[:, :self.num_heads], qk[:, self.num_heads:]
+        if self.qk_norm:
+            qkv = self._norm_qk(qkv)
+        q, k, v = ops.rotary_qkv(qkv, self.num_heads, self.num_kv_heads, self.head_dim, *rope)
         return self.o_proj(self.attn(q, k, v, attn))
+
+    def _norm_qk(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head RMSNorm of q and k, before rotary (v passes unchanged)."""
+        q, k, v = qkv.split(self.sizes, dim=-1)
+        t, d = qkv.shape[0], self.head_dim
+        q = self.q_norm(q.reshape(t * self.num_heads, d)).view(t, -1)
+        k = self.k_norm(k.reshape(t * self.num_kv_heads, d)).view(t, -1)
+        return torch.cat((q, k, v), dim=-1)
 
 
 class LlamaMLP(nn.Module):
@@ -79,7 +83,7 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama family (silu only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -113,7 +117,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
         theta, scaling = rope_parameters(cfg)
-        self.rotary = RotaryEmbedding(head_dim_of(cfg), cfg.max_position_embeddings, theta, scaling)
+        self.rotary = RotaryEmbedding(llama_kv_cache_spec(cfg).head_size, cfg.max_position_embeddings, theta,
+                                      scaling)
 
     def forward(self, input_ids, positions, attn):
         x, residual = self.embed_tokens(input_ids), None
@@ -153,11 +158,9 @@ class LlamaForCausalLM(CausalLM):
         head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
         return head.logits(hidden_states).float()
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        cfg = self.context.hf_config
-        return KVCacheSpec(num_layers=cfg.num_hidden_layers,
-                           num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
-                           head_size=head_dim_of(cfg))
+    @classmethod
+    def kv_cache_spec(cls, hf_config: Any) -> KVCacheSpec:
+        return llama_kv_cache_spec(hf_config)
 
     def _target(self, name: str) -> tuple[str, int | None]:
         parts = name.split(".")

@@ -24,9 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pagedllm import ops
 from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, QuantConfig
-from pagedllm.plugins.cpu import dense as cpu_dense
-from pagedllm.plugins.cpu import native
+from pagedllm.ops.cpu import native
 from pagedllm.plugins.quant.gguf_dequant import dequantize
 from pagedllm.plugins.quant.gguf_file import check_supported, type_name
 
@@ -89,7 +89,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_groups = []  # (parameter name, ggml type | None): blocks dequantized per call
         layer.gguf_packed = []  # (PackedWeight, first row, end row): the native kernel's operands
         layer.gguf_has_dense = False
-        layer.gguf_dense_packed = None
+        layer.gguf_dense = None  # ops.pack_linear of the dense copy
 
     @staticmethod
     def _load_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -141,8 +141,8 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_has_dense = bool(dense)
         if dense:
             weight = (dense[0] if len(dense) == 1 else torch.cat(dense)).to(layer.gguf_params_dtype)
-            layer.gguf_dense_packed = cpu_dense.prepack(weight)  # the packed layout replaces the plain copy
-            if layer.gguf_dense_packed is None:
+            layer.gguf_dense = ops.pack_linear(weight)
+            if not layer.gguf_dense.owns_copy:  # else the packed layout replaces the plain copy
                 layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -159,14 +159,13 @@ class GGUFLinearMethod(LinearMethod):
             if bias is not None:
                 out += bias
             return out.view(*x.shape[:-1], out.shape[-1])
-        if layer.gguf_dense_packed is not None and x.dtype == torch.float32:
-            return cpu_dense.linear(x, layer.gguf_dense_packed, bias)
-        dense = layer.weight if layer.gguf_has_dense else None
-        if dense is None:  # keep-quantized and not natively readable: dequantize this call
-            parts = [getattr(layer, name) if qtype is None else _dequantize(getattr(layer, name), qtype,
-                                                                           layer.gguf_input_size)
-                     for name, qtype in layer.gguf_groups]
-            dense = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(x.dtype)
+        if layer.gguf_dense is not None:
+            return layer.gguf_dense(x, bias)
+        # keep-quantized and not natively readable: dequantize this call
+        parts = [getattr(layer, name) if qtype is None else _dequantize(getattr(layer, name), qtype,
+                                                                       layer.gguf_input_size)
+                 for name, qtype in layer.gguf_groups]
+        dense = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(x.dtype)
         return F.linear(x, dense, bias)
 
 
@@ -201,7 +200,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         layer.gguf_qtype = None
         layer.gguf_packed = None
         layer.gguf_has_dense = True
-        layer.gguf_dense_packed = None
+        layer.gguf_head = None  # ops.pack_linear of the dense copy, for logits
 
     @staticmethod
     def _load(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -219,7 +218,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
     def process_after_loading(self, layer):
         qtype = layer.gguf_qtype
         if qtype is None:  # a float matrix: the dense weight is all there is
-            layer.gguf_dense_packed = cpu_dense.prepack(layer.weight)
+            layer.gguf_head = ops.pack_linear(layer.weight)
             return
         raw = layer.qweight_raw
         del layer.qweight_raw
@@ -232,7 +231,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         if self.keep_dense:
             layer.weight = nn.Parameter(_dequantize(raw, qtype, hidden).to(layer.gguf_params_dtype),
                                         requires_grad=False)
-            layer.gguf_dense_packed = cpu_dense.prepack(layer.weight)  # for logits; lookups read the plain copy
+            layer.gguf_head = ops.pack_linear(layer.weight)  # for logits; lookups read the plain copy
         else:
             del layer.weight
             layer.gguf_has_dense = False
@@ -240,7 +239,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
     def embed(self, layer, input_ids):
         if layer.gguf_has_dense:
             if input_ids.dim() == 1:
-                return native.lookup_rows(layer.weight, input_ids)
+                return ops.gather_rows(layer.weight, input_ids)
             return F.embedding(input_ids, layer.weight)
         ids = input_ids.reshape(-1)
         if layer.gguf_packed is not None:
@@ -254,10 +253,8 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         packed = layer.gguf_packed
         if _takes_native(layer, x, rows):
             return native.linear(x.reshape(rows, -1).contiguous(), packed)
-        if layer.gguf_dense_packed is not None and x.dtype == torch.float32:
-            return cpu_dense.linear(x, layer.gguf_dense_packed, None)
-        if layer.gguf_has_dense:
-            return F.linear(x, layer.weight)
+        if layer.gguf_head is not None:
+            return layer.gguf_head(x, None)
         if packed is not None:  # keep-quantized, not float32: dequantize everything for this call
             dense = native.dequantize_rows(packed, torch.arange(packed.n))
         else:

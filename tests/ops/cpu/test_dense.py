@@ -1,4 +1,4 @@
-"""Packed-weight float32 linears (pagedllm/plugins/cpu/dense.py: the native GEMM, else
+"""Packed-weight float32 linears (pagedllm/ops/cpu/dense.py: the native GEMM, else
 oneDNN's) and the layers that use them. Every test runs with each packer."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedllm.plugins.cpu import dense, native
+from pagedllm.ops.cpu import dense, native
 from pagedllm.plugins.models.layers import Linear, UnquantizedEmbeddingMethod, VocabEmbedding
 
 pytestmark = pytest.mark.skipif(not dense.available(), reason="neither the native kernels nor oneDNN here")

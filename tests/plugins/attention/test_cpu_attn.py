@@ -18,7 +18,7 @@ from pagedllm.core.plugins import get_registry
 from pagedllm.plugins.attention import cpu_attn
 from pagedllm.plugins.attention.cpu_attn import CpuAttnBackend
 from pagedllm.plugins.attention.torch_ref import TorchBackend
-from pagedllm.plugins.cpu import native
+from pagedllm.ops.cpu import native
 
 TOLERANCE = 1e-5
 

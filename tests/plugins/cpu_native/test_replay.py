@@ -1,4 +1,4 @@
-"""Step replay (pagedllm/plugins/cpu/replay.py): recorded decode steps give exactly what
+"""Step replay (pagedllm/plugins/cpu_native/replay.py): recorded decode steps give exactly what
 eager steps give, forwards that compute with torch ops stay eager, a bad replay turns
 replay off, and --enforce-eager never records."""
 
@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from pagedllm.plugins.cpu import native, replay
+from pagedllm.ops.cpu import native
+from pagedllm.plugins.cpu_native import replay
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here")
 
@@ -43,23 +44,37 @@ def replays(monkeypatch):
 def test_replayed_steps_equal_eager_steps_bit_for_bit(tiny_model_dir, replays, arch):
     model_dir = tiny_model_dir(arch)
     eager_llm, eager = generate(model_dir, enforce_eager=True)
-    assert eager_llm.engine.worker.replayer is None, "--enforce-eager must not set up step replay"
+    assert eager_llm.engine.worker.graph_runner is None, "--enforce-eager must not set up step replay"
     assert replays["n"] == 0
     llm, got = generate(model_dir)
-    replayer = llm.engine.worker.replayer
+    replayer = llm.engine.worker.graph_runner
     assert isinstance(replayer, replay.StepReplayer) and not replayer.off
     graphs = [g for g in replayer.graphs.values() if g is not None]
     assert {g.output.shape[0] for g in graphs} == {3, 2}, "the 3-row and 2-row decode steps were not recorded"
     assert all(g.verified for g in graphs), "a graph was never checked against an eager run"
-    assert replays["n"] >= 8, f"only {replays['n']} steps were replayed"
+    # 4 decode steps of 3 rows and 7 of 2 rows; per shape, one warm-up and one recorded step run eagerly
+    assert replays["n"] >= 7, f"only {replays['n']} steps were replayed"
     assert got == eager, "replayed steps differ from eager ones (tokens or logprobs, compared exactly)"
+
+
+def test_first_forward_of_a_shape_is_a_warm_up_not_a_recording(tiny_model_dir, replays):
+    """One-token prompts make the very first forward decode-shaped; what layers build on
+    their first call (cached norm weights) must not make that shape unreplayable."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", kv_cache_memory=1 << 22)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [7]}], params, use_tqdm=False)
+    graphs = llm.engine.worker.graph_runner.graphs
+    assert any(g is not None for g in graphs.values()), "the 1-row shape was never recorded"
+    assert replays["n"] == 4, f"{replays['n']} replays of 6 steps (expected: a warm-up, a recording, 4 replays)"
 
 
 def test_forward_with_torch_ops_stays_eager(tiny_model_dir, replays):
     """Qwen3 normalises q and k per head with torch ops between kernels: not replayable."""
     model_dir = tiny_model_dir("qwen3")
     llm, got = generate(model_dir)
-    graphs = llm.engine.worker.replayer.graphs
+    graphs = llm.engine.worker.graph_runner.graphs
     assert graphs and all(g is None for g in graphs.values()), "a forward with torch ops was recorded"
     assert replays["n"] == 0
     _, eager = generate(model_dir, enforce_eager=True)
@@ -77,7 +92,7 @@ def test_a_replay_that_differs_turns_replay_off(tiny_model_dir, monkeypatch):
     monkeypatch.setattr(replay.StepGraph, "replay", corrupted)
     model_dir = tiny_model_dir("llama")
     llm, got = generate(model_dir)
-    assert llm.engine.worker.replayer.off, "a replay that differs from its eager run left replay on"
+    assert llm.engine.worker.graph_runner.off, "a replay that differs from its eager run left replay on"
     _, eager = generate(model_dir, enforce_eager=True)
     assert got == eager, "the eager result should have been used when the replay differed"
 
@@ -86,7 +101,7 @@ def test_graph_patches_the_step_inputs_only(tiny_model_dir):
     """Every argument pointing into a step input is patched; weights, caches and the
     recorded intermediates stay as recorded."""
     llm, _ = generate(tiny_model_dir("llama"))
-    graph = next(g for g in llm.engine.worker.replayer.graphs.values() if g is not None)
+    graph = next(g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None)
     patched = {name for _, _, patches, _ in graph.calls for _, name, _ in patches}
     assert {"input_ids", "positions", "metadata.slot_mapping", "metadata.block_tables", "metadata.seq_lens",
             "metadata.query_start", "metadata.row_start"} <= patched, patched
@@ -97,9 +112,9 @@ def test_a_graph_over_the_memory_budget_stays_eager(tiny_model_dir, replays):
     from pagedllm import LLM, SamplingParams
 
     llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", kv_cache_memory=1 << 22)
-    llm.engine.worker.replayer.max_bytes = 1024  # below any step's intermediates
+    llm.engine.worker.graph_runner.max_bytes = 1024  # below any step's intermediates
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
     llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
-    graphs = llm.engine.worker.replayer.graphs
+    graphs = llm.engine.worker.graph_runner.graphs
     assert graphs and all(g is None for g in graphs.values()), "a graph over the byte budget was kept"
     assert replays["n"] == 0

@@ -1,0 +1,233 @@
+/* The paged KV cache: store new tokens' keys and values at their slots (pd_write_kv) and
+ * attend over the cache without gathering it (pd_paged_attention). */
+#include "pd_kernels.h"
+
+/* ------------------------------------------------------------------ paged KV cache
+ * Cache layout (one layer): key_cache and value_cache each [num_blocks, block_size,
+ * num_kv_heads, head_size] float32, token slot s = block * block_size + offset.
+ */
+
+/* Copy T new tokens' keys/values ([T, kvh * D] rows, given strides) to their slots. */
+void pd_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *key_cache,
+                 float *value_cache, const int64_t *slots, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++) {
+        memcpy(key_cache + slots[t] * row, k + t * k_stride, (size_t)row * sizeof(float));
+        memcpy(value_cache + slots[t] * row, v + t * v_stride, (size_t)row * sizeof(float));
+    }
+}
+
+/* In place: x[i] = exp(x[i] - max); returns the sum. */
+static float exp_sub_sum(float *x, int64_t n, float max) {
+    int64_t i = 0;
+    float sum = 0.0f;
+#if PD_AVX2
+    __m256 vmax = _mm256_set1_ps(max), vsum = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_avx2(_mm256_sub_ps(_mm256_loadu_ps(x + i), vmax));
+        _mm256_storeu_ps(x + i, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    sum = hsum256(vsum);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - max);
+        sum += x[i];
+    }
+    return sum;
+}
+
+/* Attention of query tokens over the paged cache, without gathering it.
+ *
+ * Request r (of num_reqs) has q_len = query_start[r+1] - query_start[r] query rows, at
+ * rows row_start[r] .. row_start[r] + q_len - 1 of q and out; they are the last of its
+ * seq_lens[r] context tokens, so query i sits at position seq_len - q_len + i and sees
+ * keys 0..position (window > 0: only the last `window` of them). query_start is the
+ * running count over these requests only (query_start[0] = 0), so a caller can hand
+ * over any subset of a batch. q rows have stride q_stride floats, out is [*, H, D].
+ * Grouped-query heads: query head h reads kv head h / (H / KVH).
+ * soft_cap > 0: scores become soft_cap * tanh(score / soft_cap).
+ * Work item = (query row, kv head); within an item, keys are scored for two query
+ * heads per pass and values summed for up to three, so each row is loaded fewer times.
+ * Returns PD_OK; PD_ERANGE, writing nothing, when a seq_len overruns its block-table row
+ * or is shorter than its query; PD_ENOMEM when a thread's scratch rows cannot be
+ * allocated.
+ */
+#if PD_AVX2
+/* [sum(a[0]), ..., sum(a[7])]: eight horizontal sums in one vector. */
+static inline __m256 hsum8_avx2(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+/* Eight dot products q . k_i (D a multiple of 8): one accumulator per key, so eight
+ * independent FMA chains, then a transpose-add into one vector of eight scores. */
+static inline __m256 dot8_avx2(const float *qh, const float *const *k, int64_t D) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 qv = _mm256_loadu_ps(qh + d);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
+    }
+    return hsum8_avx2(a);
+}
+
+/* Keys and values of one request sit in 16-token blocks scattered over the cache, so
+ * the hardware prefetcher loses the stream at every block boundary: ask for rows a few
+ * keys ahead (up to `count` rows of `floats` floats, none past the end). */
+#define PD_PREFETCH_ROWS 32
+static inline void prefetch_rows(const float *const *rows, int64_t left, int64_t count, int64_t floats) {
+    for (int64_t i = 0; i < count && i < left; i++)
+        for (int64_t f = 0; f < floats; f += 16) _mm_prefetch((const char *)(rows[i] + f), _MM_HINT_T0);
+}
+
+/* Scores of two query heads against four keys: [q0.k0..q0.k3 | q1.k0..q1.k3]. */
+static inline __m256 dot4x2_avx2(const float *q0, const float *q1, const float *const *k, int64_t D) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; d += 8) {
+        __m256 x0 = _mm256_loadu_ps(q0 + d), x1 = _mm256_loadu_ps(q1 + d);
+        for (int i = 0; i < 4; i++) {
+            __m256 kv = _mm256_loadu_ps(k[i] + d);
+            a[i] = _mm256_fmadd_ps(x0, kv, a[i]);
+            a[4 + i] = _mm256_fmadd_ps(x1, kv, a[4 + i]);
+        }
+    }
+    return hsum8_avx2(a);
+}
+
+/* For `heads` (1-3, a constant at each call) query heads h: out[h*ld + 0:32] =
+ * sum_j p[h*pstride + j] * v[j][off:off+32], the 4*heads accumulators held in registers. */
+static inline __attribute__((always_inline)) void weighted_sum32_avx2(int heads, const float *p, int64_t pstride,
+                                                                      const float *const *v, int64_t n, int64_t off,
+                                                                      float *out, int64_t ld) {
+    __m256 a[12];
+    for (int i = 0; i < 4 * heads; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        if (off == 0) prefetch_rows(v + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 1, ld);
+        const float *vp = v[j] + off;
+        __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8), v2 = _mm256_loadu_ps(vp + 16),
+               v3 = _mm256_loadu_ps(vp + 24);
+        for (int h = 0; h < heads; h++) {
+            __m256 pj = _mm256_broadcast_ss(p + h * pstride + j);
+            a[4 * h] = _mm256_fmadd_ps(pj, v0, a[4 * h]);
+            a[4 * h + 1] = _mm256_fmadd_ps(pj, v1, a[4 * h + 1]);
+            a[4 * h + 2] = _mm256_fmadd_ps(pj, v2, a[4 * h + 2]);
+            a[4 * h + 3] = _mm256_fmadd_ps(pj, v3, a[4 * h + 3]);
+        }
+    }
+    for (int h = 0; h < heads; h++)
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(out + h * ld + 8 * i, a[4 * h + i]);
+}
+#endif
+
+int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+                       const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                       const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out, int64_t H,
+                       int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float soft_cap) {
+    /* max_seq_len sizes the scratch rows (at least 1: no malloc of 0 bytes) */
+    int64_t T = query_start[num_reqs], G = H / KVH, row = KVH * D, max_seq_len = 1;
+    /* every length must fit its block-table row (bt_stride blocks) and cover its queries */
+    for (int64_t r = 0; r < num_reqs; r++) {
+        if (seq_lens[r] > bt_stride * block_size || seq_lens[r] < query_start[r + 1] - query_start[r])
+            return PD_ERANGE;
+        max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
+    }
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* per thread: scores [G, max_seq_len], then key and value row pointers */
+        float *scores = (float *)malloc((size_t)(G * max_seq_len) * sizeof(float) + 2 * (size_t)max_seq_len * sizeof(float *));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < T * KVH; item++) {
+            if (scores == NULL) continue;
+            int64_t t = item / KVH, kh = item % KVH;
+            /* which request owns query row t (binary search over the running counts) */
+            int64_t lo = 0, hi = num_reqs - 1;
+            while (lo < hi) {
+                int64_t mid = (lo + hi + 1) / 2;
+                if (query_start[mid] <= t) lo = mid; else hi = mid - 1;
+            }
+            int64_t r = lo, q_len = query_start[r + 1] - query_start[r], i = t - query_start[r];
+            int64_t pos = seq_lens[r] - q_len + i, qrow = row_start[r] + i;
+            int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, n = pos + 1 - start;
+            const int32_t *bt = block_tables + r * bt_stride;
+            const float **krow = (const float **)(scores + G * max_seq_len), **vrow = krow + max_seq_len;
+            for (int64_t j = 0; j < n; j++) {
+                int64_t p = start + j, slot = (int64_t)bt[p / block_size] * block_size + p % block_size;
+                krow[j] = key_cache + slot * row + kh * D;
+                vrow[j] = value_cache + slot * row + kh * D;
+            }
+            const float *qt = q + qrow * q_stride + kh * G * D; /* this kv head's G query heads */
+            int64_t g = 0;
+#if PD_AVX2
+            /* two query heads per pass over the keys: each key chunk is loaded once */
+            if (D % 8 == 0)
+                for (; g + 2 <= G; g += 2) {
+                    float *s0 = scores + g * max_seq_len, *s1 = s0 + max_seq_len;
+                    int64_t j = 0;
+                    for (; j + 4 <= n; j += 4) {
+                        if (g == 0) prefetch_rows(krow + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 4, D);
+                        __m256 both = dot4x2_avx2(qt + g * D, qt + (g + 1) * D, krow + j, D);
+                        _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(both));
+                        _mm_storeu_ps(s1 + j, _mm256_extractf128_ps(both, 1));
+                    }
+                    for (; j < n; j++) {
+                        s0[j] = dot(qt + g * D, krow[j], D);
+                        s1[j] = dot(qt + (g + 1) * D, krow[j], D);
+                    }
+                }
+#endif
+            for (; g < G; g++) {
+                const float *qh = qt + g * D;
+                float *s = scores + g * max_seq_len;
+                int64_t j = 0;
+#if PD_AVX2
+                if (D % 8 == 0)
+                    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, dot8_avx2(qh, krow + j, D));
+#endif
+                for (; j < n; j++) s[j] = dot(qh, krow[j], D);
+            }
+            for (g = 0; g < G; g++) {
+                float *s = scores + g * max_seq_len, mx = -INFINITY;
+                for (int64_t j = 0; j < n; j++) {
+                    float sc = s[j] * scale;
+                    s[j] = sc = soft_cap > 0.0f ? soft_cap * tanhf(sc / soft_cap) : sc;
+                    mx = sc > mx ? sc : mx;
+                }
+                float inv = 1.0f / exp_sub_sum(s, n, mx);
+                for (int64_t j = 0; j < n; j++) s[j] *= inv;
+            }
+            float *ot = out + (qrow * H + kh * G) * D;
+            int64_t d = 0;
+#if PD_AVX2
+            /* up to three heads at a time, 32 dimensions at a time: each value chunk is
+             * loaded once for all of them */
+            for (; d + 32 <= D; d += 32)
+                for (g = 0; g < G; g += 3) {
+                    int heads = G - g < 3 ? (int)(G - g) : 3;
+                    const float *p = scores + g * max_seq_len;
+                    float *o = ot + g * D + d;
+                    if (heads == 3) weighted_sum32_avx2(3, p, max_seq_len, vrow, n, d, o, D);
+                    else if (heads == 2) weighted_sum32_avx2(2, p, max_seq_len, vrow, n, d, o, D);
+                    else weighted_sum32_avx2(1, p, max_seq_len, vrow, n, d, o, D);
+                }
+#endif
+            if (d < D)
+                for (g = 0; g < G; g++) {
+                    const float *p = scores + g * max_seq_len;
+                    float *o = ot + g * D;
+                    memset(o + d, 0, (size_t)(D - d) * sizeof(float));
+                    for (int64_t j = 0; j < n; j++)
+                        for (int64_t e = d; e < D; e++) o[e] += p[j] * vrow[j][e];
+                }
+        }
+        free(scores);
+    }
+    return failed ? PD_ENOMEM : PD_OK;
+}

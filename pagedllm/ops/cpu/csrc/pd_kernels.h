@@ -1,0 +1,102 @@
+/* Native CPU kernels for pagedllm, called through ctypes (see ../native.py): what the
+ * kernel families share. One .c file per family, all built into one library:
+ *   abi.c          pd_abi_version, pd_has_avx2
+ *   quant.c        ggml-quantized weights: pd_repack, pd_linear_packed, pd_dequantize
+ *   sgemm.c        dense float32 linear: pd_sgemm_pack, pd_sgemm
+ *   elementwise.c  pd_rms_norm, pd_silu_mul, pd_rope_neox, pd_gather_rows
+ *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention
+ *
+ * Why C and not torch ops: on a CPU, a decode step of a small model is dominated by
+ * reading weights (float32 weights are 4x the bytes of 8-bit blocks and ~6x those of
+ * 4-bit blocks) and by per-op overhead (dozens of small torch ops per layer). These
+ * kernels read ggml-quantized weights directly, attend over the paged KV cache without
+ * gathering it, and fuse the residual add into RMSNorm.
+ *
+ * Numerics: weights are dequantized exactly as gguf_dequant.py does (d*q + m is exact
+ * in float32 for 4- and 8-bit codes). The AVX2 quantized linear splits activations into
+ * two int16 terms whose error (2^-32 of the row maximum) is below float32 accumulation
+ * error (see quantize_rows_i16 in quant.c); everything else computes in float32 as torch
+ * would, in another summation order.
+ *
+ * Threads: OpenMP. torch's CPU wheel ships libgomp.so.1 and loads it first, so these
+ * kernels share torch's OpenMP runtime and thread count (torch.set_num_threads).
+ * Every function has a portable scalar path; the AVX2/FMA/F16C path is chosen at
+ * compile time (the library is built for the machine it runs on, -march=native).
+ */
+#ifndef PD_KERNELS_H
+#define PD_KERNELS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <omp.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define PD_AVX2 1
+#else
+#define PD_AVX2 0
+#endif
+
+/* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
+ * Bump both when an exported symbol or a signature changes, or a return code changes
+ * in a way native.py's wrappers read differently. */
+#define PD_ABI_VERSION 2
+
+/* What the kernels that return an int return (native.py mirrors them by these names).
+ * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
+ *            an id outside the table); PD_ENOMEM: a scratch allocation failed;
+ * PD_ERANGE: a sequence length overruns its block-table row or is shorter than its query. */
+enum { PD_OK = 0, PD_EINVAL = -1, PD_ENOMEM = -2, PD_ERANGE = -3 };
+
+/* ------------------------------------------------------------------ shared helpers
+ * hsum256: quant.c, attention.c and dot; dot: quant.c, pd_rms_norm, attention.c;
+ * exp_avx2: pd_silu_mul, attention.c. */
+#if PD_AVX2
+static inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    int64_t i = 0;
+    float s = 0.0f;
+#if PD_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    s = hsum256(_mm256_add_ps(acc0, acc1));
+#endif
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* exp(x), vectorised: 2^(x log2 e) split into an integer power of two and a degree-6
+ * polynomial on [-0.5, 0.5]; relative error below 2e-7. Inputs are clamped to
+ * [-87, 88] (results stay normal floats). */
+#if PD_AVX2
+static inline __m256 exp_avx2(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n); /* [-0.5, 0.5] */
+    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+
+#endif /* PD_KERNELS_H */

@@ -1,0 +1,81 @@
+"""The layer ops of `pagedllm.ops` on the native CPU kernels (float32 CPU tensors).
+
+Each function keeps its op's contract (see the reference's docstring in pagedllm.ops)
+and hands contiguous rows to `pagedllm.ops.cpu.native`; tensors the kernels cannot
+take are made contiguous first. A step made of these calls alone is what step replay
+(replay.py) can record.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pagedllm.core.contracts import OpImpl
+from pagedllm.ops.cpu import dense, native
+
+
+def float32_cpu(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Why the native kernels cannot take tensors of this device and dtype."""
+    reasons = []
+    if device.type != "cpu":
+        reasons.append("CPU tensors only")
+    if dtype != torch.float32:
+        reasons.append(f"float32 only, not {dtype}")
+    if not reasons and not native.available():
+        reasons.append("native CPU kernels unavailable (no C compiler, or PAGEDLLM_CPU_KERNELS=0)")
+    return reasons
+
+
+def _packed_dense_here(device: torch.device, dtype: torch.dtype) -> list[str]:
+    if device.type != "cpu" or dtype != torch.float32:
+        return ["float32 CPU weights only"]
+    return [] if dense.available() else ["no packed float32 kernel here (PAGEDLLM_CPU_KERNELS=0?)"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    if residual is None:
+        return native.rms_norm(rows, weight, eps).view(x.shape)
+    summed = residual.reshape(rows.shape).contiguous()  # updated in place by the kernel
+    return native.rms_norm(rows, weight, eps, summed).view(x.shape), summed.view(residual.shape)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    out = native.silu_mul(x.reshape(-1, x.shape[-1]).contiguous())
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+def rotary_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    qkv = qkv.contiguous()
+    t = qkv.shape[0]
+    native.rope_neox_(qkv, num_heads + num_kv_heads, head_dim, cos, sin)  # q and k heads, in place
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    return (qkv[:, :q_size].view(t, num_heads, head_dim),
+            qkv[:, q_size:q_size + kv_size].view(t, num_kv_heads, head_dim),
+            qkv[:, q_size + kv_size:].view(t, num_kv_heads, head_dim))
+
+
+def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    return native.gather_rows(table.contiguous(), ids)
+
+
+class PackedDense:
+    """A float32 weight in the native GEMM's panels (else oneDNN's layout), see dense.py."""
+
+    owns_copy = True
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = dense.prepack(weight)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return dense.linear(x, self.packed, bias)
+
+
+OP_IMPLS = [
+    OpImpl("rms_norm", "cpu_native", rms_norm, float32_cpu),
+    OpImpl("silu_and_mul", "cpu_native", silu_and_mul, float32_cpu),
+    OpImpl("rotary_qkv", "cpu_native", rotary_qkv, float32_cpu),
+    OpImpl("gather_rows", "cpu_native", gather_rows, float32_cpu),
+    OpImpl("pack_linear", "cpu_packed", PackedDense, _packed_dense_here),
+]
