@@ -53,7 +53,8 @@ def test_no_forbidden_imports(layer):
 
 
 def test_importing_the_core_loads_no_plugin_server_or_cli_module():
-    core = sorted(f"pagedllm.core.{p.stem}" for p in (PACKAGE / "core").glob("*.py") if p.stem != "__init__")
+    core = sorted(".".join(p.relative_to(PACKAGE.parent).with_suffix("").parts)
+                  for p in (PACKAGE / "core").rglob("*.py") if p.stem != "__init__")
     code = (f"import sys\nfor m in {core!r}: __import__(m)\n"
             "print('\\n'.join(sorted(m for m in sys.modules if m.startswith('pagedllm'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()

@@ -6,6 +6,8 @@ same greedy tokens as transformers' `generate`, with close logprobs.
 
 from __future__ import annotations
 
+import inspect
+
 import random
 
 import pytest
@@ -33,6 +35,8 @@ def hf_greedy(model_dir, prompts, num_tokens=NUM_TOKENS):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    # transformers >= 5.24 calls the KV cache `cache` (`past_key_values` is deprecated)
+    cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     results = []
     with torch.no_grad():
         for ids in prompts:
@@ -43,7 +47,7 @@ def hf_greedy(model_dir, prompts, num_tokens=NUM_TOKENS):
                 token = int(row.argmax())
                 tokens.append(token)
                 logprobs.append(row)
-                out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+                out = model(torch.tensor([[token]]), use_cache=True, **{cache_name: getattr(out, cache_name)})
             results.append((tokens, logprobs))
     return results
 

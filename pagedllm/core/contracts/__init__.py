@@ -1,0 +1,44 @@
+"""What plugins implement: with `core/hookspecs.py`, all a plugin author must read.
+
+One module per plugin kind; every name is importable from here:
+
+- `attention`: attention backends (`AttentionBackend`, its metadata builder and
+  per-layer impl), the flattened batch they read (`BatchLayout`), `GraphSupport`;
+- `quant`: quantizers (`QuantConfig` -> `LinearMethod` / `EmbeddingMethod` per layer);
+- `spec`: speculative proposers (`SpecProposer`);
+- `model`: model architectures (`CausalLM`, `KVCacheSpec`, `ModelContext`) and
+  checkpoint formats (`CheckpointFormat`: a file type such as GGUF that carries config,
+  tokenizer and weights together);
+- `runtime`: implementations of the layer ops (`OpImpl`, see `pagedllm.ops`) and graph
+  runners (`GraphRunner`: capture a step's forward once per shape, replay it after).
+
+Data crossing a boundary is a frozen dataclass; behaviour is a small ABC.
+"""
+
+from pagedllm.core.contracts.attention import BatchLayout, AttentionSpec, AttentionMetadataBuilder, AttentionImpl, GraphSupport, AttentionBackend, AttentionContext, KV_CACHE_TORCH_DTYPES, kv_cache_torch_dtype
+from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, QuantConfig
+from pagedllm.core.contracts.spec import SpecProposer
+from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat
+from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
+
+__all__ = [
+    "AttentionBackend",
+    "AttentionContext",
+    "AttentionImpl",
+    "AttentionMetadataBuilder",
+    "AttentionSpec",
+    "BatchLayout",
+    "CausalLM",
+    "CheckpointFormat",
+    "EmbeddingMethod",
+    "GraphRunner",
+    "GraphSupport",
+    "KVCacheSpec",
+    "KV_CACHE_TORCH_DTYPES",
+    "LinearMethod",
+    "ModelContext",
+    "OpImpl",
+    "QuantConfig",
+    "SpecProposer",
+    "kv_cache_torch_dtype",
+]

@@ -1,0 +1,206 @@
+"""Attention backends: the flattened batch they read (`BatchLayout`), the per-model facts
+(`AttentionSpec`), the backend class, its once-per-step metadata builder and per-layer impl.
+
+Tensors in a `BatchLayout` are owned by the worker and valid for one step; backends
+must not keep references past `forward`.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """One scheduled step flattened into a single token stream (backend-neutral).
+
+    Requests appear in the order of `query_start_loc`; request i owns tokens
+    `query_start_loc[i]:query_start_loc[i+1]`, which sit at the end of its context of
+    `seq_lens[i]` tokens (so `seq_lens[i] - query_len_i` tokens are already in the cache).
+    All tensors live on the model's device except the `*_cpu` copies, which builders
+    use to avoid device syncs.
+    """
+
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block_id * block_size + offset
+    block_tables: torch.Tensor  # [num_reqs, max_num_blocks] int32, padded with 0
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    seq_lens: torch.Tensor  # [num_reqs] int32, context length including the new tokens
+    query_start_loc_cpu: torch.Tensor
+    seq_lens_cpu: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens_cpu.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def query_lens_cpu(self) -> torch.Tensor:
+        return self.query_start_loc_cpu[1:] - self.query_start_loc_cpu[:-1]
+
+    @property
+    def is_pure_decode(self) -> bool:
+        return self.max_query_len == 1
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """The per-model facts a backend needs to build metadata and run its kernels."""
+
+    num_heads: int  # query heads on this rank
+    num_kv_heads: int  # kv heads on this rank
+    head_size: int
+    dtype: torch.dtype  # compute dtype of q/k/v
+    kv_cache_dtype: str  # "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
+    block_size: int
+    device: torch.device
+
+    def __post_init__(self) -> None:
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
+                             "no attention backend can run this model")
+
+
+class AttentionMetadataBuilder(ABC):
+    """Turns the worker's `BatchLayout` into the backend's own metadata, once per step.
+
+    The result is shared by every layer of the step, so expensive planning (index
+    arrays, wrapper plans) belongs here and not in `AttentionImpl.forward`.
+    """
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+
+    @abstractmethod
+    def build(self, layout: BatchLayout) -> Any:
+        """Return the backend metadata for this step; called once before the model runs."""
+
+
+class AttentionImpl(ABC):
+    """One attention layer's kernel. Created by the model's attention layer.
+
+    `k_scale` / `v_scale` are the per-layer FP8 KV-cache scales (1.0 unless the
+    checkpoint supplies them); the layer sets them after loading weights.
+    """
+
+    def __init__(
+        self,
+        spec: AttentionSpec,
+        scale: float,
+        sliding_window: int | None = None,
+        logits_soft_cap: float | None = None,
+    ) -> None:
+        self.spec = spec
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.logits_soft_cap = logits_soft_cap
+        self.k_scale = 1.0
+        self.v_scale = 1.0
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: Any,
+    ) -> torch.Tensor:
+        """Write k/v into `kv_cache` through the step's slot mapping, then attend.
+
+        q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size].
+        Returns [num_tokens, num_heads, head_size] in q's dtype. Causal within the
+        step; every query attends to all cached tokens of its request before it (and
+        only the last `sliding_window` tokens when set).
+        """
+
+
+class GraphSupport(enum.Enum):
+    """Which steps' forward can be captured once and replayed with a backend's metadata."""
+
+    NEVER = "never"
+    # pure-decode steps (one query token per request): every tensor of the metadata has a
+    # shape that depends only on the batch shape, so a capture per shape replays
+    DECODE = "decode"
+
+
+class AttentionBackend(ABC):
+    """A family of attention kernels over the paged KV cache (class-level facts only)."""
+
+    name: ClassVar[str]
+    # Auto-selection picks the runnable backend with the highest priority for the device.
+    priority: ClassVar[dict[str, int]] = {}
+    # Which steps a graph runner may capture with this backend's metadata (see GraphRunner).
+    graph_support: ClassVar[GraphSupport] = GraphSupport.NEVER
+
+    @classmethod
+    @abstractmethod
+    def check(cls, spec: AttentionSpec) -> list[str]:
+        """Reasons this backend cannot run `spec` here (empty list = it can).
+
+        Must not raise when an optional library is missing: say so instead.
+        """
+
+    @classmethod
+    def kv_cache_shape(
+        cls, num_blocks: int, block_size: int, num_kv_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """Shape of one layer's KV-cache tensor (K and V together). The default layout,
+        [2, num_blocks, block_size, num_kv_heads, head_size], is K then V; a backend
+        whose library wants another layout overrides this."""
+        return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    @abstractmethod
+    def builder_cls(cls) -> type[AttentionMetadataBuilder]:
+        """The metadata builder class (imported lazily, on selection)."""
+
+    @classmethod
+    @abstractmethod
+    def impl_cls(cls) -> type[AttentionImpl]:
+        """The per-layer implementation class (imported lazily, on selection)."""
+
+
+@dataclass
+class AttentionContext:
+    """What a model's forward needs for attention: the step's metadata and every layer's cache.
+
+    Passed explicitly down the model (never a module global); layer i reads
+    `kv_caches[i]`.
+    """
+
+    metadata: Any
+    kv_caches: list[torch.Tensor]
+
+
+# the element type of each non-"auto" name in config.KV_CACHE_DTYPES
+KV_CACHE_TORCH_DTYPES: dict[str, torch.dtype] = {
+    "fp8": torch.float8_e4m3fn,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type the cache is stored in: the model dtype unless an FP8 kind is asked."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    try:
+        return KV_CACHE_TORCH_DTYPES[kv_cache_dtype]
+    except KeyError:
+        raise ValueError(
+            f"kv_cache_dtype={kv_cache_dtype!r} is not one of: auto, "
+            + ", ".join(KV_CACHE_TORCH_DTYPES)
+        ) from None

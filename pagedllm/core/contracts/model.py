@@ -1,0 +1,111 @@
+"""Model architectures and checkpoint formats: what the worker builds and loads."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator
+
+import torch
+from torch import nn
+
+from pagedllm.core.contracts.attention import AttentionBackend, AttentionContext
+from pagedllm.core.contracts.quant import QuantConfig
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """A model's attention and KV-cache facts (on this rank): what the worker needs to
+    pick an attention backend and size the cache before the model is built."""
+
+    num_layers: int  # attention layers, each with its own cache tensor
+    num_heads: int  # query heads
+    num_kv_heads: int
+    head_size: int
+
+    def bytes_per_token(self, element_size: int) -> int:
+        """K and V for every layer: 2 x layers x kv_heads x head_dim x element size."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_size
+
+
+@dataclass
+class ModelContext:
+    """Everything a model architecture needs at construction."""
+
+    hf_config: Any  # a transformers PretrainedConfig (or one built from GGUF metadata)
+    dtype: torch.dtype
+    device: torch.device
+    attention_backend: type[AttentionBackend]
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    quant_config: QuantConfig | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CausalLM(nn.Module, ABC):
+    """A decoder-only model over the flattened token stream.
+
+    Subclasses are registered under the Hugging Face architecture name
+    (`config.json` "architectures"). They build their attention layers with
+    `context.attention_backend.impl_cls()`.
+    """
+
+    def __init__(self, context: ModelContext) -> None:
+        super().__init__()
+        self.context = context
+
+    @abstractmethod
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
+    ) -> torch.Tensor:
+        """Hidden states [num_tokens, hidden_size] for the flattened batch."""
+
+    @abstractmethod
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """Logits [n, vocab_size] (float32) for the rows that need a token."""
+
+    @abstractmethod
+    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+        """Consume (checkpoint name, tensor) pairs; return the parameter names filled."""
+
+    @classmethod
+    @abstractmethod
+    def kv_cache_spec(cls, hf_config: Any) -> KVCacheSpec:
+        """The attention / KV-cache facts of a model with this config (asked before the
+        model is built, to choose the attention backend and size the cache; the model's
+        own layers should read their head counts from here too)."""
+
+
+class CheckpointFormat(ABC):
+    """A kind of model file or directory: where config, tokenizer and weights come from.
+
+    The core knows the Hugging Face directory format; plugins add others (GGUF).
+    """
+
+    name: ClassVar[str]
+
+    @classmethod
+    @abstractmethod
+    def detect(cls, path: str) -> bool:
+        """True when `path` is unmistakably this format (used for load_format="auto")."""
+
+    def __init__(self, path: str, options: dict[str, Any] | None = None) -> None:
+        self.path = path
+        self.options = dict(options or {})  # EngineConfig.plugin_options (plugin-added flags)
+
+    @abstractmethod
+    def hf_config(self) -> Any:
+        """The model's transformers config object (architectures, sizes, rope, ...)."""
+
+    @abstractmethod
+    def tokenizer(self) -> Any:
+        """A tokenizer with transformers' interface (encode, decode, eos_token_id,
+        apply_chat_template, convert_ids_to_tokens)."""
+
+    @abstractmethod
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(checkpoint name, tensor) pairs, named as the model's `load_weights` expects."""
+
+    def quantization(self) -> str | None:
+        """The quantizer this checkpoint needs by default (None = unquantized)."""
+        return None
