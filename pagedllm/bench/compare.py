@@ -41,6 +41,7 @@ from pagedllm.bench.peers import (ALL_ENGINES, EngineSpec, cpu_has_native_bf16, 
 from pagedllm.bench.serve import _stream_one, benchmark, completions_url
 from pagedllm.bench.workload import BenchRequest, random_requests, special_ids, vocab_size_of
 from pagedllm.engine_args import add_engine_args, engine_kwargs_from_args
+from pagedllm.ops.cpu import features
 
 RUNNERS = Path(__file__).parent / "runners"
 
@@ -352,11 +353,12 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
           f"(random ids, seed {seed}, greedy, EOS ignored); single stream: first "
           f"{args.single_stream_prompts} prompts one at a time; best of {args.repeat}; {os.cpu_count()} CPUs"
           f"{'' if cpu_has_native_bf16() else ' without native bf16 (bf16 rows are emulated)'}.")
+    print(f"CPU: {features.detect().summary()}")
     print(table(results))
     out = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                         "single_stream_prompts": args.single_stream_prompts, "seed": seed,
                         "repeat": args.repeat,
-                        "cpu_count": os.cpu_count()},
+                        "cpu_count": os.cpu_count(), "cpu": features.detect().to_dict()},
            "engines": [{"name": r.name, "status": r.status, "offline": r.offline, "serve_status": r.serve_status,
                         "serve": {k: v for k, v in r.serve.items() if k not in ("ttfts", "itls", "output_lens")},
                         "log": r.log} for r in results]}

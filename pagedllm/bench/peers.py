@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from pagedllm.engine_args import engine_flags
+from pagedllm.ops.cpu import features
 
 ALL_ENGINES = ("pagedllm", "vllm", "llamacpp", "transformers-bf16", "transformers-fp32")
 NOT_INSTALLED = "not installed (run scripts/setup_peers.sh)"
@@ -60,12 +61,7 @@ def peer_python(peers_dir: Path, venv: str, module: str) -> str | None:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX); without it bf16
     matmuls are emulated and run several times slower than fp32."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return features.detect().native_bf16
 
 
 def resolve_vllm_dtype(choice: str) -> str:

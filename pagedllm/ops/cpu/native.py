@@ -33,6 +33,7 @@ from typing import Any, Iterator
 import torch
 
 from pagedllm.core import envs
+from pagedllm.ops.cpu import features
 
 logger = logging.getLogger("pagedllm")
 
@@ -134,6 +135,8 @@ def kernels() -> ctypes.CDLL | None:
     if lib.pd_abi_version() != ABI_VERSION:
         logger.warning("native CPU kernels: ABI mismatch, using torch ops instead")
         return None
+    logger.info("native CPU kernels for %s%s", features.detect().summary(),
+                "" if lib.pd_has_avx2() else " (portable build: no AVX2 path)")
     return lib
 
 

@@ -1,0 +1,44 @@
+"""CPU feature detection (pagedllm/ops/cpu/features.py) on /proc/cpuinfo texts of the
+machines this project has run on, and on this machine."""
+
+from __future__ import annotations
+
+from pagedllm.ops.cpu import features
+
+ZEN3 = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC 7R13 Processor
+flags\t\t: fpu sse2 avx avx2 fma bmi2
+processor\t: 1
+model name\t: AMD EPYC 7R13 Processor
+flags\t\t: fpu sse2 avx avx2 fma bmi2
+"""
+XEON_AMX = """processor\t: 0
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu avx avx2 fma avx512f avx512_bf16 avx512_vnni avx_vnni avx512_fp16 amx_bf16 amx_tile amx_int8
+"""
+
+
+def test_zen3_has_avx2_and_no_native_bf16():
+    cpu = features.parse_cpuinfo(ZEN3)
+    assert cpu.model == "AMD EPYC 7R13 Processor"
+    assert cpu.named() == ["AVX2", "FMA"]
+    assert not cpu.native_bf16 and not cpu.int8_dot
+
+
+def test_xeon_with_amx_has_native_bf16_and_int8_dot():
+    cpu = features.parse_cpuinfo(XEON_AMX)
+    assert cpu.native_bf16 and cpu.int8_dot
+    assert {"AMX-BF16", "AMX-INT8", "AVX512-BF16"} <= set(cpu.named())
+    assert "Intel(R) Xeon(R) Processor" in cpu.summary() and "AMX-BF16" in cpu.summary()
+    assert cpu.to_dict()["native_bf16"] is True
+
+
+def test_unreadable_or_empty_cpuinfo_gives_no_flags():
+    cpu = features.parse_cpuinfo("")
+    assert cpu.flags == frozenset() and not cpu.native_bf16
+
+
+def test_this_machine_is_detected_once():
+    assert features.detect() is features.detect()
+    assert features.detect().model
