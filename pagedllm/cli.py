@@ -78,7 +78,10 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
     setup_logging()
     server_fields = {f.name for f in dataclasses.fields(ServerSettings)}
-    settings = ServerSettings(**{k: v for k, v in vars(args).items() if k in server_fields})
+    try:
+        settings = ServerSettings(**{k: v for k, v in vars(args).items() if k in server_fields})
+    except ValueError as exc:
+        _fail(parser, exc)
     if settings.enable_reasoning:
         logger.warning("--enable-reasoning is deprecated (vLLM's old spelling): --reasoning-parser NAME "
                        "alone enables reasoning; drop --enable-reasoning")

@@ -10,16 +10,17 @@ from typing import Any, Iterator
 
 
 @contextmanager
-def serve_in_thread(app: Any, start_timeout: float = 30.0) -> Iterator[str]:
-    """Run `app` under uvicorn on a free port; yields the base URL, stops the server after."""
+def serve_in_thread(app: Any, start_timeout: float = 30.0, **options: Any) -> Iterator[str]:
+    """Run `app` under uvicorn on a free port; yields the base URL, stops the server after.
+    `options` are more `uvicorn.Config` arguments (e.g. `pagedllm.server.app.uvicorn_options`)."""
     import uvicorn
 
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=2))
+    config = {"log_level": "warning", "lifespan": "off", "timeout_graceful_shutdown": 2, **options}
+    server = uvicorn.Server(uvicorn.Config(app, **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="uvicorn", daemon=True)
     thread.start()
     try:

@@ -6,6 +6,14 @@ prompt tokens are decoded as context so that tokenizers which drop a leading spa
 at the start of a decode (SentencePiece) still give the first output token its space.
 While streaming, the last len(longest stop string) - 1 characters are held back, so
 a stop string is never half-emitted.
+
+The stop check runs in the engine's step loop, shared by every request, so its cost per
+step must not grow with the text generated so far, nor with stop strings that cannot
+end in the new text: a stop string newly completed by a delta ends inside the delta, so
+only the stop strings whose last character occurs in the delta are looked for, and only
+in the delta plus the len(stop) - 1 characters before it. (An occurrence that ended
+earlier would have stopped the request at an earlier step.) The server also caps the
+number and length of stop strings (`pagedllm.server.protocol`).
 """
 
 from __future__ import annotations
@@ -26,7 +34,13 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0
         self.read_offset = len(self.ids)
         self.text = ""
+        if any(not s for s in stop):
+            raise ValueError("stop strings must not be empty")
         self.hold_back = max((len(s) for s in stop), default=1) - 1 if not include_stop_str_in_output else 0
+        # last character -> [(position in `stop`, stop string, its length)], in list order
+        self._stops_ending_in: dict[str, list[tuple[int, str, int]]] = {}
+        for i, s in enumerate(stop):
+            self._stops_ending_in.setdefault(s[-1], []).append((i, s, len(s)))
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
@@ -48,18 +62,21 @@ class IncrementalDetokenizer:
         return None
 
     def _check_stop(self, num_new_chars: int) -> str | None:
-        if not self.stop:
+        """The stop string completed by the last `num_new_chars` characters, if any (the one
+        that starts first; on a tie, the one listed first), truncating the text at it."""
+        if not self._stops_ending_in:
             return None
-        longest = max(len(s) for s in self.stop)
-        search_from = max(0, len(self.text) - num_new_chars - longest + 1)
-        best: tuple[int, str] | None = None
-        for s in self.stop:
-            idx = self.text.find(s, search_from)
-            if idx != -1 and (best is None or idx < best[0]):
-                best = (idx, s)
+        end = len(self.text)
+        new_text = self.text[end - num_new_chars:]
+        candidates = [entry for char in set(new_text) for entry in self._stops_ending_in.get(char, ())]
+        best: tuple[int, int, str] | None = None  # (start, position in `stop`, stop string)
+        for i, s, length in candidates:
+            idx = self.text.find(s, max(0, end - num_new_chars - length + 1))
+            if idx != -1 and (best is None or (idx, i) < best[:2]):
+                best = (idx, i, s)
         if best is None:
             return None
-        idx, s = best
+        idx, _, s = best
         self.text = self.text[: idx + len(s)] if self.include_stop else self.text[:idx]
         return s
 

@@ -15,7 +15,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from pagedllm.core import envs
 from pagedllm.core.block_manager import BlockManager
@@ -234,6 +234,37 @@ class LLMEngine:
         return output
 
 
+class _Latest:
+    """One stream's mailbox: the newest output of its request, or the error ending it.
+
+    Outputs are cumulative, so a consumer that falls behind loses nothing by skipping
+    to the newest one: each delivery replaces the one not taken yet, and a stream
+    nobody reads holds one output however long its request runs (a queue of every
+    step's output grew with tokens squared). A final item (an error, or the finished
+    output) is never replaced. Used on its event loop's thread only.
+    """
+
+    __slots__ = ("item", "ready")
+
+    def __init__(self) -> None:
+        self.item: RequestOutput | BaseException | None = None
+        self.ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        current = self.item
+        if isinstance(current, BaseException) or (current is not None and current.finished):
+            return
+        self.item = item
+        self.ready.set()
+
+    async def take(self) -> RequestOutput | BaseException:
+        await self.ready.wait()
+        self.ready.clear()
+        item, self.item = self.item, None
+        assert item is not None
+        return item
+
+
 class AsyncLLMEngine:
     """Runs `LLMEngine.step()` in one background thread; coroutines stream outputs.
 
@@ -241,13 +272,15 @@ class AsyncLLMEngine:
     engine thread drains between steps. Bad input fails only its own request (its
     stream raises the ValueError). An error inside a step fails every request in flight
     at that moment (their streams raise a RuntimeError naming it, their blocks are
-    freed), and the loop goes on serving the requests that arrive after.
+    freed), and the loop goes on serving the requests that arrive after. A stream
+    buffers at most one output (`_Latest`): a slow consumer gets the newest one.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.Queue = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Latest]] = {}
+        self._refusal: Callable[[], BaseException] | None = None
         self._wake = threading.Event()
         self._stopped = False
         self._ids = itertools.count()
@@ -261,20 +294,30 @@ class AsyncLLMEngine:
     async def generate(self, prompt: str | None, params: SamplingParams, request_id: str | None = None,
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
         """Yield cumulative RequestOutputs until the request finishes. Leaving the
-        iterator early (client gone) aborts the request and frees its blocks."""
+        iterator early (client gone) aborts the request and frees its blocks.
+
+        A consumer slower than the engine gets the newest output each time it asks
+        (the ones in between are skipped, never queued); the last one it gets is
+        always the finished output. After `abort_all`, raises its error.
+
+        Bad input (a prompt the engine refuses) raises its ValueError from the iterator;
+        it is checked on the engine thread, not here. A text prompt is tokenized here, on
+        the caller's thread: callers on an event loop pass `prompt_token_ids` (the server
+        always does), so the loop never does per-request CPU work."""
+        if self._refusal is not None:
+            raise self._refusal()
         request_id = request_id or f"req-{next(self._ids)}-{time.monotonic_ns()}"
         if prompt_token_ids is None:
             prompt_token_ids = self.engine.tokenizer.encode(prompt)
-        self.engine.validate_prompt(prompt_token_ids)
         loop = asyncio.get_running_loop()
-        stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (loop, stream)
+        box = _Latest()
+        self._streams[request_id] = (loop, box)
         self._commands.put(("add", (request_id, prompt, params, prompt_token_ids)))
         self._wake.set()
         finished = False
         try:
             while True:
-                item = await stream.get()
+                item = await box.take()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -295,6 +338,18 @@ class AsyncLLMEngine:
         self._commands.put(("abort", request_id))
         self._wake.set()
 
+    def abort_all(self, error: Callable[[], BaseException]) -> int:
+        """End every open stream by raising `error()` in it, and abort its request (its
+        blocks are freed); every later `generate` raises `error()` too. For a server
+        shutting down; call it on the event loop the streams run on. Returns how many
+        streams it ended."""
+        self._refusal = error
+        streams = list(self._streams.items())
+        for request_id, (loop, box) in streams:
+            loop.call_soon_threadsafe(box.put, error())
+            self.abort(request_id)
+        return len(streams)
+
     def shutdown(self) -> None:
         self._stopped = True
         self._wake.set()
@@ -303,8 +358,8 @@ class AsyncLLMEngine:
     def _deliver(self, request_id: str, item: Any) -> None:
         target = self._streams.get(request_id)
         if target is not None:
-            loop, stream = target
-            loop.call_soon_threadsafe(stream.put_nowait, item)
+            loop, box = target
+            loop.call_soon_threadsafe(box.put, item)
 
     def _apply_commands(self) -> None:
         while True:

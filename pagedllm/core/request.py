@@ -12,6 +12,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+# The sampler works in float32, where 3.5e38 is already infinite: a temperature that large
+# turns the -inf of a banned token (min_tokens) into NaN, and a repetition penalty of 1e-39
+# turns a seen token's logit into inf; either way every draw is token 0. Past these bounds
+# nothing changes anyway (at 1e6 every realistic logit divides to about 0: the distribution
+# is uniform), so larger values are refused rather than clamped.
+MAX_TEMPERATURE = 1e6
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+
 
 @dataclass
 class SamplingParams:
@@ -43,7 +51,7 @@ class SamplingParams:
             self.top_k = 0
         checks = [
             ("n", self.n >= 1, ">= 1"),
-            ("temperature", self.temperature >= 0.0, ">= 0"),
+            ("temperature", 0.0 <= self.temperature <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]"),
             ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
             ("top_k", self.top_k >= 0, "-1, 0 (off) or >= 1"),
             ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
@@ -51,7 +59,8 @@ class SamplingParams:
             ("min_tokens", self.min_tokens >= 0, ">= 0"),
             ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
             ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty > 0.0, "> 0"),
+            ("repetition_penalty", MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+             f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0"),
             ("prompt_logprobs", self.prompt_logprobs is None, "unset (not supported yet)"),
         ]

@@ -4,11 +4,15 @@
 routes; it owns no engine, so tests can build several apps over one engine and the
 CLI decides the engine's lifetime. Every endpoint is wrapped in `handle_errors` here,
 where the table is built, so that no endpoint can answer an error in another shape.
+The limits on slow clients (`limits.py`) and the graceful shutdown (`shutdown.py`)
+are put together here too: their middleware in `build_app`, their uvicorn parts in
+`uvicorn_options` and `run_server`.
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -20,10 +24,12 @@ from pagedllm.server.chat import create_chat_completion
 from pagedllm.server.completions import create_completion
 from pagedllm.server.errors import EXCEPTION_HANDLERS, Endpoint, handle_errors
 from pagedllm.server.info import health, metrics, models, version
+from pagedllm.server.limits import MAX_HEADER_BYTES, BodyTimeout, guarded_protocol
+from pagedllm.server.shutdown import UVICORN_GRACE_S, Admission, DrainingServer
 from pagedllm.server.state import ServerSettings, ServerState, load_chat_template
 from pagedllm.server.tokenize import detokenize, tokenize
 
-__all__ = ["ROUTES", "ServerSettings", "build_app", "load_chat_template", "run_server"]
+__all__ = ["ROUTES", "ServerSettings", "build_app", "load_chat_template", "run_server", "uvicorn_options"]
 
 logger = logging.getLogger("pagedllm.server")
 
@@ -57,18 +63,34 @@ def build_app(engine: AsyncLLMEngine, settings: ServerSettings | None = None,
             environment is read once, by the caller.
     """
     state = ServerState.create(engine, settings or ServerSettings())
-    middleware = [Middleware(APIKeyMiddleware, api_key=api_key)] if api_key else []
+    middleware = [Middleware(Admission, lifecycle=state.lifecycle),
+                  Middleware(BodyTimeout, timeout=state.settings.body_timeout)]
+    if api_key:
+        middleware.append(Middleware(APIKeyMiddleware, api_key=api_key))
     app = Starlette(routes=ROUTES, middleware=middleware, exception_handlers=EXCEPTION_HANDLERS)
     app.state.pagedllm = state
     return app
 
 
+def uvicorn_options(settings: ServerSettings) -> dict[str, Any]:
+    """The `uvicorn.Config` arguments that apply the connection limits of `settings`."""
+    return {"http": guarded_protocol(settings), "ws": "none", "timeout_keep_alive": settings.keep_alive_timeout,
+            "h11_max_incomplete_event_size": MAX_HEADER_BYTES, "timeout_graceful_shutdown": UVICORN_GRACE_S}
+
+
 def run_server(app: Starlette, settings: ServerSettings) -> None:
-    """Serve `app` with uvicorn until interrupted (blocking)."""
+    """Serve `app` with uvicorn until SIGTERM or SIGINT and the drain after it (blocking).
+
+    Raises SystemExit(3) if the app did not start, as `uvicorn.run` does."""
     import uvicorn
 
+    state: ServerState = app.state.pagedllm
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
+                            **uvicorn_options(settings))
     url = f"http://{settings.host}:{settings.port}"
     logger.info("serving %s at %s (OpenAI API under %s/v1; docs: /v1/models, /health, /metrics)",
-                ", ".join(app.state.pagedllm.model_names), url, url)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
-                timeout_graceful_shutdown=5)
+                ", ".join(state.model_names), url, url)
+    server = DrainingServer(config, state.lifecycle, state.engine, settings.shutdown_timeout)
+    server.run()
+    if not server.started:
+        raise SystemExit(3)

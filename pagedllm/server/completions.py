@@ -2,19 +2,20 @@
 
 A request with several prompts becomes one engine request per prompt; choice
 `i * n + j` is choice j of prompt i, as in OpenAI's API. Everything is validated
-before the first engine request starts, so a bad request never costs a KV block.
+before the first engine request starts, so a bad request never costs a KV block; the
+checks and the tokenizing run on a request worker, so they never stall the event loop.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, NamedTuple
 
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedllm.core.request import CompletionOutput, RequestOutput
+from pagedllm.core.request import CompletionOutput, RequestOutput, SamplingParams
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     MAX_LOGPROBS,
@@ -22,6 +23,7 @@ from pagedllm.server.protocol import (
     check_model,
     clamp_logprob,
     encode_prompt,
+    off_loop,
     prepare,
     read_json,
     sampling_fields,
@@ -29,7 +31,7 @@ from pagedllm.server.protocol import (
     top_entries,
     usage,
 )
-from pagedllm.server.state import state_of
+from pagedllm.server.state import ServerState, state_of
 from pagedllm.server.streaming import generate_all, respond
 
 
@@ -50,12 +52,24 @@ def completion_logprobs(out: CompletionOutput, start: int, k: int, text_offset: 
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
 
 
-async def create_completion(request: Request) -> Response:
-    """One or more prompts, `n` choices each; whole or streamed (see `_chunks`)."""
-    state = state_of(request)
-    fields = Fields(await read_json(request, state.settings.max_request_body_bytes))
+class CompletionRequest(NamedTuple):
+    """A checked /v1/completions request, its prompts tokenized."""
+
+    model: str
+    prompts: list[tuple[str | None, list[int]]]
+    params: list[SamplingParams]
+    echoes: list[str]  # per prompt: its text when `echo`, else ""
+    num_logprobs: int | None
+    stream: bool
+    include_usage: bool
+
+
+def read_completion_request(state: ServerState, fields: Fields) -> CompletionRequest:
+    """Check every field, then tokenize the prompts: CPU work, run on a request worker
+    (`off_loop`). The cheap checks come first, so a request refused for a field costs no
+    tokenizing."""
     model = check_model(fields, state.model_names)
-    prompts = encode_prompt(state.llm_engine.tokenizer, fields.get("prompt", "any", required=True))
+    prompt = fields.get("prompt", "any", required=True)
     fields.reject_unsupported({"suffix": "insertion is not built"})
     echo = fields.get("echo", "bool", False)
     num_logprobs = fields.int_in("logprobs", 0, MAX_LOGPROBS)
@@ -66,13 +80,23 @@ async def create_completion(request: Request) -> Response:
     include_usage = stream_options(fields, stream)
     max_tokens = fields.get("max_tokens", "int", 16)
     values = {**sampling_fields(fields), "logprobs": num_logprobs}
-    params = prepare(state.llm_engine, prompts, values, max_tokens, "max_tokens", "prompt")
     fields.get("user", "str")  # accepted, unused
     fields.log_unknown("/v1/completions")
+    tokenizer = state.llm_engine.tokenizer
+    prompts = encode_prompt(tokenizer, prompt, state.llm_engine.max_model_len)
+    params = prepare(state.llm_engine, prompts, values, max_tokens, "max_tokens", "prompt")
+    echoes = [(text if text is not None else tokenizer.decode(ids)) if echo else "" for text, ids in prompts]
+    return CompletionRequest(model, prompts, params, echoes, num_logprobs, stream, include_usage)
+
+
+async def create_completion(request: Request) -> Response:
+    """One or more prompts, `n` choices each; whole or streamed (see `_chunks`)."""
+    state = state_of(request)
+    fields = Fields(await read_json(request, state.settings.max_request_body_bytes))
+    model, prompts, params, echoes, num_logprobs, stream, include_usage = \
+        await off_loop(read_completion_request, state, fields)
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    echoes = [(text if text is not None else state.llm_engine.tokenizer.decode(ids)) if echo else ""
-              for text, ids in prompts]
     streams = generate_all(state.engine, state.metrics, request_id, prompts, params)
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     n = params[0].n
@@ -97,9 +121,13 @@ def _answer(finals: list[RequestOutput], head: dict[str, Any], n: int, echoes: l
 
 async def _chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any], n: int,
                   echoes: list[str], num_logprobs: int | None, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    """Stream chunks: text deltas per choice, a finish chunk per choice, usage."""
+    """Stream chunks: text deltas per choice, a finish chunk per choice, usage.
+
+    `text_offset` counts the token texts sent so far, as `_answer` does, not the text: with
+    stop strings the engine holds the text's tail back, so the two differ mid-stream."""
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
+    next_offset: dict[int, int] = {}  # text_offset of each choice's next token
     done: set[int] = set()
     finals: dict[int, RequestOutput] = {}
     extra = {"usage": None} if include_usage else {}
@@ -117,8 +145,9 @@ async def _chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[
                 continue
             logprobs = None
             if num_logprobs is not None:
-                offset = sent_text.get(index, 0) + len(echoes[prompt_index])
+                offset = next_offset.get(index, len(echoes[prompt_index]))
                 logprobs = completion_logprobs(c, start, num_logprobs, offset)
+                next_offset[index] = offset + sum(len(token) for token in logprobs["tokens"])
             sent_text[index] = len(c.text)
             sent_tokens[index] = len(c.token_ids)
             if c.finish_reason:

@@ -3,6 +3,8 @@ about the server, answered without touching the engine's queue."""
 
 from __future__ import annotations
 
+import os
+
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -23,12 +25,18 @@ async def version(request: Request) -> Response:
 
 
 async def models(request: Request) -> Response:
-    """OpenAI's model list, with vLLM's `root` and `max_model_len`."""
+    """OpenAI's model list, with vLLM's `root` and `max_model_len`.
+
+    `root` is the model as given on the command line, as in vLLM; with no model given, the
+    bundled model's file name. Never a path the server resolved itself: that would tell
+    every client where the server is installed.
+    """
     state = state_of(request)
     llm_engine = state.llm_engine
+    root = llm_engine.config.model.model or os.path.basename(llm_engine.model_path)
     return JSONResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": state.created, "owned_by": "pagedllm",
-         "root": llm_engine.model_path, "parent": None, "max_model_len": llm_engine.max_model_len,
+         "root": root, "parent": None, "max_model_len": llm_engine.max_model_len,
          "permission": []} for name in state.model_names]})
 
 

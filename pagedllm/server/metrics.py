@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from pagedllm.core.engine import AsyncLLMEngine
+from pagedllm.core.request import RequestOutput
 
 PREFIX = "pagedllm:"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -26,6 +27,7 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
                 20.0, 40.0, 80.0)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+FINISHED_REASONS = ("stop", "length", "abort")  # exported at 0 from the start, as vLLM does
 
 
 class _EngineCollector(Collector):
@@ -91,12 +93,52 @@ class ServerMetrics:
                               ["model_name"], buckets=E2E_BUCKETS, registry=self.registry)
         self._success = Counter(PREFIX + "request_success", "Finished sequences by finish reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
+        for reason in FINISHED_REASONS:
+            self._success.labels(model_name, reason)
         self.ttft = self._ttft.labels(model_name)
         self.itl = self._itl.labels(model_name)
         self.e2e = self._e2e.labels(model_name)
 
-    def finished(self, reason: str) -> None:
-        self._success.labels(self.model_name, reason).inc()
+    def finished(self, reason: str, count: int = 1) -> None:
+        self._success.labels(self.model_name, reason).inc(count)
+
+    def finishes(self, n: int) -> FinishTracker:
+        """The finish bookkeeping of one engine request of `n` sequences (see `FinishTracker`)."""
+        return FinishTracker(self, n)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class FinishTracker:
+    """How each sequence of one engine request ended, for `request_success`.
+
+    An aborted sequence never reports a finish reason: the engine aborts a request when
+    its stream is closed (client gone, server error), and nobody reads the stream after
+    that. So `close`, called however the stream ended, counts each sequence that did not
+    finish as "abort"; without it that label would never count.
+
+    Args:
+        metrics: the app's metrics.
+        n: the request's number of sequences (`SamplingParams.n`).
+    """
+
+    def __init__(self, metrics: ServerMetrics, n: int) -> None:
+        self.metrics = metrics
+        self.n = n
+        self.finished: set[int] = set()  # indexes of the sequences counted so far
+        self.closed = False
+
+    def observe(self, out: RequestOutput) -> None:
+        """Count the finish reasons of the sequences that `out` shows finished for the first time."""
+        for c in out.outputs:
+            if c.finish_reason is not None and c.index not in self.finished:
+                self.finished.add(c.index)
+                self.metrics.finished(c.finish_reason)
+
+    def close(self) -> None:
+        """The stream has ended: its sequences that never finished were aborted."""
+        if not self.closed:
+            self.closed = True
+            if self.n > len(self.finished):
+                self.metrics.finished("abort", self.n - len(self.finished))

@@ -6,17 +6,28 @@ SamplingParams' business: its ValueError names the field, and becomes a 400 with
 `param`; the few checked here are those it cannot know (see `sampling_fields`). Fields
 we do not know are ignored (as vLLM does) and logged at debug level; fields we know but
 cannot honour yet are rejected, never silently dropped.
+
+The event loop answers every client (health checks, every stream), so no request's CPU
+work runs on it: parsing the body, checking fields, tokenizing and rendering templates run
+on a small pool of request workers (`off_loop`). What one request may cost there, and in
+the engine loop every request shares, is bounded by the limits below: each field whose
+work grows with its size has a cap, and a request over one is a 400 naming that field.
+A string holding a lone UTF-16 surrogate (a JSON escape such as "\\ud800", or the bytes
+ED A0 80) is no text at all: the body is refused as it is read, naming the top-level field.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import math
+import os
 import re
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, TypeVar
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from pagedllm.core.engine import LLMEngine
 from pagedllm.core.request import Logprob, RequestOutput, SamplingParams
@@ -28,6 +39,23 @@ MAX_N = 128  # choices per request: each is a sequence in the batch
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 MAX_SEED = 2**63 - 1 - MAX_N  # the engine seeds choice i with seed + i
 MAX_TOP_K = 2**31 - 1  # larger means "no top-k" anyway, and must fit a tensor
+# What grows a request's cost, capped (see the module docstring):
+MAX_STOP = 16  # stop strings (OpenAI allows 4): each may be searched for at every step
+MAX_STOP_CHARS = 1024  # per stop string: the text searched, and held back, at every step
+MAX_STOP_TOKEN_IDS = 256  # each generated token is checked against them
+MAX_PROMPTS = 256  # prompts in one /v1/completions request: an engine request each
+MAX_CHOICES = 256  # prompts x n: the sequences one request adds to the batch
+MAX_MESSAGES = 4096  # chat messages, each rendered by the template
+# Text longer than this many characters per token of the context cannot be a prompt that
+# fits it (tokens average 3-5 characters), so it is refused before it is tokenized. The
+# same bound caps the token ids /detokenize decodes.
+CHARS_PER_TOKEN = 32
+REQUEST_WORKERS = min(16, max(4, os.cpu_count() or 1))  # threads for requests' CPU work
+
+T = TypeVar("T")
+_WORKERS = ThreadPoolExecutor(max_workers=REQUEST_WORKERS, thread_name_prefix="pagedllm-request")
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads keeps unpaired ones as they are
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # a JSON escape that may be one
 
 _MISSING = object()
 _KINDS = {
@@ -44,24 +72,46 @@ _KINDS = {
 }
 
 
+async def off_loop(fn: Callable[..., T], *args: Any) -> T:
+    """`fn(*args)` on a request worker thread, so that the event loop keeps answering while
+    one request parses, tokenizes or renders a template. The pool is bounded: a burst of
+    heavy requests queues for it rather than starting a thread each. Pure-Python work
+    hands the GIL back every few milliseconds and the tokenizers release it; json.loads
+    does not (about 20 ms per MB of small numbers), so the body size limit bounds that."""
+    return await asyncio.get_running_loop().run_in_executor(_WORKERS, fn, *args)
+
+
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object; 413 past `max_bytes`, 400 if not JSON.
+    """The request body as a JSON object; 413 past `max_bytes`, 400 if not JSON (see `parse_json`).
 
     The size is checked while reading, so a client that lies in Content-Length (or
-    sends none) still cannot make the server buffer more than `max_bytes`.
+    sends none) still cannot make the server buffer more than `max_bytes`. A client that
+    leaves before sending the whole body is logged at info level and gets a 499, which
+    reaches nobody: uvicorn drops what is sent on a closed connection.
     """
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > max_bytes:
         raise APIError(f"the request body is {declared} bytes, more than the {max_bytes} allowed",
                        413, code="request_too_large")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(f"the request body is more than the {max_bytes} bytes allowed",
-                           413, code="request_too_large")
-        chunks.append(chunk)
-    raw = b"".join(chunks)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise APIError(f"the request body is more than the {max_bytes} bytes allowed",
+                               413, code="request_too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        logger.info("%s %s: the client left after sending %d bytes of the body", request.method,
+                    request.url.path, size)
+        raise APIError("the client closed the connection before sending the whole body", 499,
+                       code="client_closed_request") from None
+    return await off_loop(parse_json, b"".join(chunks))
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """A request body as a JSON object; 400 if it is not one, or if a string in it holds a
+    lone surrogate (param: the top-level field it is in; none when it is in a field name)."""
     if not raw.strip():
         raise APIError("the request body is empty; send a JSON object", code="invalid_json")
     try:
@@ -71,7 +121,63 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise APIError(f"the request body must be a JSON object, got {type(data).__name__}",
                        code="invalid_json")
+    if raw.isascii() and not _SURROGATE_ESCAPE.search(raw):
+        return data  # no string in it can hold a surrogate: skip the walk
+    for key, value in data.items():
+        if _LONE_SURROGATE.search(key):
+            raise APIError("a field name in the request body holds a lone UTF-16 surrogate (U+D800 to "
+                           "U+DFFF), which is not a character; send valid Unicode", code="invalid_value")
+        if _has_lone_surrogate(value):
+            raise APIError(f"'{key[:80]}' holds a lone UTF-16 surrogate (U+D800 to U+DFFF, as the JSON escape "
+                           "\\ud800 or the bytes ED A0 80), which is not a character; send valid Unicode",
+                           param=key, code="invalid_value")
     return data
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a string anywhere in a parsed JSON value holds an unpaired surrogate (a paired
+    escape such as \\ud83d\\ude00 is decoded to its character, so any left is lone)."""
+    return any(_LONE_SURROGATE.search(text) for text in _strings(value))
+
+
+def _strings(value: Any, keys: bool = True) -> Iterator[str]:
+    """Every string in a parsed JSON value, object keys too unless `keys` is False."""
+    stack = [value]
+    while stack:  # not recursive: JSON nests as deep as json.loads allows
+        item = stack.pop()
+        if isinstance(item, str):
+            yield item
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if keys:
+                stack.extend(item)
+            stack.extend(item.values())
+
+
+def check_count(value: Any, limit: int, param: str, what: str) -> None:
+    """400 naming `param` when the array `value` has more than `limit` items."""
+    if isinstance(value, list) and len(value) > limit:
+        raise APIError(f"'{param}' has {len(value)} {what}; at most {limit} are allowed", param=param,
+                       code="invalid_value")
+
+
+def check_messages(value: Any, max_model_len: int) -> None:
+    """400 naming 'messages' for more than MAX_MESSAGES messages, or more text in them than
+    `check_text_len` accepts; checked on the raw value, before anything is parsed or rendered."""
+    check_count(value, MAX_MESSAGES, "messages", "messages")
+    if isinstance(value, list):
+        check_text_len(sum(len(text) for text in _strings(value, keys=False)), max_model_len, "messages")
+
+
+def check_text_len(num_chars: int, max_model_len: int, param: str) -> None:
+    """400 naming `param` for text too long to be a prompt that fits the context; checked
+    before the text is tokenized or rendered, which is where its cost is."""
+    limit = CHARS_PER_TOKEN * max_model_len
+    if num_chars > limit:
+        raise APIError(f"'{param}' has {num_chars} characters; with a context of {max_model_len} tokens "
+                       f"at most {limit} are accepted ({CHARS_PER_TOKEN} per token)", param=param,
+                       code="context_length_exceeded")
 
 
 class Fields:
@@ -136,13 +242,14 @@ def check_model(fields: Fields, served_names: list[str]) -> str:
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, field: str,
                   prompt_param: str = "prompt") -> int:
     """The number of tokens to generate, within the context window; 400 with both numbers when
-    prompt + max_tokens does not fit. An unset max_tokens means 'up to the end of the context'."""
-    if prompt_len > max_model_len:
+    prompt + max_tokens does not fit. An unset max_tokens means 'up to the end of the context',
+    so a prompt that fills the context is refused too: there is no room for one token."""
+    if prompt_len > max_model_len or (max_tokens is None and prompt_len == max_model_len):
         raise APIError(f"this model's maximum context length is {max_model_len} tokens, but the prompt "
-                       f"has {prompt_len} tokens; shorten the prompt", param=prompt_param,
-                       code="context_length_exceeded")
+                       f"has {prompt_len} tokens, leaving no room for a generated token; shorten the prompt",
+                       param=prompt_param, code="context_length_exceeded")
     if max_tokens is None:
-        return max(1, max_model_len - prompt_len)
+        return max_model_len - prompt_len
     if prompt_len + max_tokens > max_model_len:
         raise APIError(f"this model's maximum context length is {max_model_len} tokens, but you asked for "
                        f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in "
@@ -156,8 +263,9 @@ def sampling_fields(fields: Fields) -> dict[str, Any]:
 
     Ranges SamplingParams cannot check are refused here: a seed that must leave room for
     `n` (the engine seeds choice i with seed + i), a top_k that must fit a tensor, the
-    server's limit on `n`. The model's ranges (stop token ids in the vocabulary) are the
-    engine's `validate_params`, asked by `prepare` before a stream's 200 goes out."""
+    server's limits on `n` and on the number and length of stop strings and stop token ids.
+    The model's ranges (stop token ids in the vocabulary) are the engine's `validate_params`,
+    asked by `prepare` before a stream's 200 goes out."""
     fields.reject_unsupported({
         "logit_bias": "no logits processor for it",
         "guided_json": "structured outputs are not built", "guided_regex": "structured outputs are not built",
@@ -167,7 +275,13 @@ def sampling_fields(fields: Fields) -> dict[str, Any]:
     seed = fields.get("seed", "int")
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise APIError(f"'seed' must be between 0 and {MAX_SEED}, got {seed}", param="seed", code="invalid_value")
+    check_count(fields.data.get("stop"), MAX_STOP, "stop", "stop strings")
     stop = fields.get("stop", "str_or_list")
+    longest = max((len(s) for s in ([stop] if isinstance(stop, str) else stop or [])), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise APIError(f"'stop' has a string of {longest} characters; at most {MAX_STOP_CHARS} are allowed",
+                       param="stop", code="invalid_value")
+    check_count(fields.data.get("stop_token_ids"), MAX_STOP_TOKEN_IDS, "stop_token_ids", "token ids")
     stop_token_ids = fields.get("stop_token_ids", "int_list")
     n = fields.int_in("n", 1, MAX_N, 1)
     best_of = fields.get("best_of", "int")
@@ -245,19 +359,27 @@ def top_entries(record: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]
     return ranked[:k]
 
 
-def encode_prompt(tokenizer: Any, value: Any, param: str = "prompt") -> list[tuple[str | None, list[int]]]:
+def encode_prompt(tokenizer: Any, value: Any, max_model_len: int,
+                  param: str = "prompt") -> list[tuple[str | None, list[int]]]:
     """OpenAI's four prompt shapes -> [(text or None, token ids)]: a string, a list of strings,
-    a list of token ids, or a list of token-id lists."""
+    a list of token ids, or a list of token-id lists. At most MAX_PROMPTS prompts, and no text
+    too long for the context (`check_text_len`), both checked before anything is tokenized."""
     def is_ids(v: Any) -> bool:
         return isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
 
+    def encode_all(texts: list[str]) -> list[tuple[str | None, list[int]]]:
+        for text in texts:
+            check_text_len(len(text), max_model_len, param)
+        return [(text, tokenizer.encode(text)) for text in texts]
+
     if isinstance(value, str):
-        return [(value, tokenizer.encode(value))]
+        return encode_all([value])
     if isinstance(value, list) and value:
-        if all(isinstance(v, str) for v in value):
-            return [(v, tokenizer.encode(v)) for v in value]
         if is_ids(value):
             return [(None, list(value))]
+        check_count(value, MAX_PROMPTS, param, "prompts")
+        if all(isinstance(v, str) for v in value):
+            return encode_all(value)
         if all(is_ids(v) for v in value):
             return [(None, list(v)) for v in value]
     raise APIError(f"'{param}' must be a non-empty string, array of strings, array of token ids or array of "
@@ -269,6 +391,10 @@ def prepare(llm_engine: LLMEngine, prompts: list[tuple[str | None, list[int]]], 
     """Check each prompt against the engine and the context window; one SamplingParams each.
 
     `field` names the max-tokens field the client used, `prompt_param` the prompt's."""
+    n = values.get("n", 1)
+    if len(prompts) * n > MAX_CHOICES:
+        raise APIError(f"{len(prompts)} prompts with n={n} make {len(prompts) * n} choices; at most "
+                       f"{MAX_CHOICES} are allowed per request", param="n", code="invalid_value")
     params = []
     for _, ids in prompts:
         budget = check_context(len(ids), max_tokens, llm_engine.max_model_len, field, prompt_param)

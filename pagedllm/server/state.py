@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
@@ -18,6 +18,7 @@ from pagedllm.core.config import opt
 from pagedllm.core.engine import AsyncLLMEngine, LLMEngine
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser, get_reasoning_parser
+from pagedllm.server.shutdown import Lifecycle
 
 
 @dataclass
@@ -36,8 +37,34 @@ class ServerSettings:
     enable_reasoning: bool = opt(False, "Deprecated vLLM spelling: --reasoning-parser alone enables "
                                  "reasoning.", "server")
     max_request_body_bytes: int = opt(16 << 20, "Largest request body accepted (413 beyond).", "server")
+    allow_special_tokens_in_content: bool = opt(False, "Tokenize special-token strings inside chat messages "
+                                                "as control tokens, as vLLM does (default: as plain text, so a "
+                                                "user cannot forge turns such as a system message).", "server")
     uvicorn_log_level: str = opt("info", "Log level of uvicorn's access and error logs.", "server",
                                  choices=["critical", "error", "warning", "info", "debug", "trace"])
+    header_timeout: float = opt(10.0, "Seconds a client has to send a request's line and headers, from "
+                                "connecting or from the first byte of the next request on a kept-alive "
+                                "connection (408 and close past it).", "server")
+    body_timeout: float = opt(30.0, "Seconds a client has to send a request's whole body once its headers "
+                              "are in (408 and close past it).", "server")
+    keep_alive_timeout: float = opt(5.0, "Seconds an idle kept-alive connection stays open between "
+                                    "requests.", "server")
+    max_connections: int = opt(1024, "Most open connections; a request on one past it gets 503 and its "
+                               "connection is closed.", "server")
+    stream_stall_timeout: float = opt(60.0, "End a stream, aborting its request and freeing its KV cache, "
+                                      "when its client has accepted no data for this many seconds "
+                                      "(0: never).", "server")
+    shutdown_timeout: float = opt(30.0, "On SIGTERM or SIGINT: seconds the requests in flight get to finish "
+                                  "before they are ended with a 503 error; new requests get 503 "
+                                  "meanwhile.", "server")
+
+    def __post_init__(self) -> None:
+        for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "max_connections"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        for name in ("stream_stall_timeout", "shutdown_timeout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -70,6 +97,7 @@ class ServerState:
     chat_template: str | None
     reasoning: DeepSeekR1ReasoningParser | None
     created: int
+    lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     @classmethod
     def create(cls, engine: AsyncLLMEngine, settings: ServerSettings) -> ServerState:

@@ -8,12 +8,19 @@ close the engine iterators they wrap (`aclosing`), `merge` cancels its pump task
 and `until_disconnected` cancels a non-streaming generation whose client has gone.
 `respond` puts these together for the generating endpoints, which only say what
 their chunks and their whole answer look like.
+
+Nothing here buffers more than a few outputs for a client that reads slowly: each
+engine stream holds only its newest output, `merge` waits for its consumer, and
+`SSEResponse` waits for uvicorn to drain the socket. A stream whose client accepts
+nothing for `--stream-stall-timeout` seconds is ended and its request aborted:
+pausing it is not possible, since a paused request would still hold its KV blocks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from contextlib import aclosing
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
@@ -26,7 +33,9 @@ from pagedllm.core.engine import AsyncLLMEngine
 from pagedllm.core.request import RequestOutput, SamplingParams
 from pagedllm.server.errors import error_body, from_engine_error
 from pagedllm.server.metrics import ServerMetrics
+from pagedllm.server.state import state_of
 
+logger = logging.getLogger("pagedllm.server")
 T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
@@ -42,28 +51,53 @@ def sse_error(exc: BaseException) -> str:
     return sse(error_body(err.message, err.status_code, err.param, err.code))
 
 
+class ClientStalled(Exception):
+    """A write to the client did not complete within the stall timeout."""
+
+
 class SSEResponse(StreamingResponse):
     """A text/event-stream response that always closes its body iterator.
 
     Starlette stops iterating when the client disconnects (it cancels the sending task),
     but a generator cancelled while suspended in `send` is left open; closing it here
-    runs its `finally`, which aborts the engine request.
+    runs its `finally`, which aborts the engine request. uvicorn's `send` waits while
+    the socket's buffers are full; one that waits `stall_timeout` seconds (the client
+    has read nothing meanwhile) ends the response the same way, and uvicorn closes the
+    connection of a response left incomplete.
+
+    Args:
+        content: the events.
+        stall_timeout: seconds one write may wait for the client; 0 waits forever.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str]) -> None:
+    def __init__(self, content: AsyncIterator[str], stall_timeout: float = 0) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.stall_timeout = stall_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, self._bounded(send) if self.stall_timeout > 0 else send)
+        except ClientStalled:
+            client = scope.get("client") or ("?", 0)
+            logger.warning("stream to %s:%s stalled: the client accepted nothing for %g s; ended it and "
+                           "aborted its request (--stream-stall-timeout)", client[0], client[1], self.stall_timeout)
         except OSError:
             pass  # the client went away mid-write; nothing left to tell it
         finally:
             closer = getattr(self.body_iterator, "aclose", None)
             if closer is not None:
                 await closer()
+
+    def _bounded(self, send: Send) -> Send:
+        async def bounded(message: dict[str, Any]) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.stall_timeout)
+            except asyncio.TimeoutError:
+                raise ClientStalled() from None
+
+        return bounded
 
 
 class _End:
@@ -75,23 +109,25 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
 
     Each stream is pumped by its own task; leaving this generator early (or an error in
     any stream) cancels every pump, which closes — and so aborts — its engine request.
+    The queue holds one item per stream: a pump waits for a slow consumer instead of
+    piling items up (the engine streams it reads keep only their newest output).
     """
     if len(streams) == 1:
         async with aclosing(streams[0]) as only:
             async for item in only:
                 yield 0, item
         return
-    queue: asyncio.Queue = asyncio.Queue()
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(index: int, stream: AsyncIterator[T]) -> None:
         try:
             async with aclosing(stream) as it:
                 async for item in it:
-                    queue.put_nowait((index, item))
+                    await queue.put((index, item))
         except Exception as exc:
-            queue.put_nowait((index, exc))
+            await queue.put((index, exc))
             return
-        queue.put_nowait((index, _End()))
+        await queue.put((index, _End()))
 
     tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)]
     try:
@@ -110,34 +146,38 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def timed(stream: AsyncIterator[RequestOutput], metrics: ServerMetrics) -> AsyncIterator[RequestOutput]:
-    """Pass a request's outputs through, recording TTFT, inter-token and e2e latency."""
+async def timed(stream: AsyncIterator[RequestOutput], metrics: ServerMetrics, n: int) -> AsyncIterator[RequestOutput]:
+    """Pass a request's outputs through, recording TTFT, inter-token and e2e latency, and how
+    each of its `n` sequences ended: those closed before they finished count as aborted."""
     start = last = time.monotonic()
     num_tokens = 0
-    async with aclosing(stream) as outputs:
-        async for out in outputs:
-            now = time.monotonic()
-            total = sum(len(c.token_ids) for c in out.outputs)
-            new = total - num_tokens
-            if new > 0:
-                if num_tokens == 0:
-                    metrics.ttft.observe(now - start)
-                else:
-                    for _ in range(new):
-                        metrics.itl.observe((now - last) / new)
-                num_tokens, last = total, now
-            if out.finished:
-                metrics.e2e.observe(now - start)
-                for c in out.outputs:
-                    metrics.finished(c.finish_reason or "abort")
-            yield out
+    finishes = metrics.finishes(n)
+    try:
+        async with aclosing(stream) as outputs:
+            async for out in outputs:
+                now = time.monotonic()
+                total = sum(len(c.token_ids) for c in out.outputs)
+                new = total - num_tokens
+                if new > 0:
+                    if num_tokens == 0:
+                        metrics.ttft.observe(now - start)
+                    else:
+                        for _ in range(new):
+                            metrics.itl.observe((now - last) / new)
+                    num_tokens, last = total, now
+                if out.finished:
+                    metrics.e2e.observe(now - start)
+                finishes.observe(out)
+                yield out
+    finally:
+        finishes.close()
 
 
 def generate_all(engine: AsyncLLMEngine, metrics: ServerMetrics, request_id: str,
                  prompts: list[tuple[str | None, list[int]]],
                  params: list[SamplingParams]) -> list[AsyncIterator[RequestOutput]]:
     """One engine stream per prompt (ids `<request_id>-<i>`); nothing starts until iterated."""
-    return [timed(engine.generate(text, p, f"{request_id}-{i}", prompt_token_ids=ids), metrics)
+    return [timed(engine.generate(text, p, f"{request_id}-{i}", prompt_token_ids=ids), metrics, p.n)
             for i, ((text, ids), p) in enumerate(zip(prompts, params))]
 
 
@@ -204,7 +244,8 @@ async def respond(request: Request, streams: list[AsyncIterator[RequestOutput]],
     which nobody reads but the access log.
     """
     if stream:
-        return SSEResponse(event_stream(streams, chunks))
+        return SSEResponse(event_stream(streams, chunks),
+                           stall_timeout=state_of(request).settings.stream_stall_timeout)
     try:
         finals = await until_disconnected(request, collect(streams))
     except ClientDisconnected:

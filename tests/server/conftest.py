@@ -17,7 +17,7 @@ import pytest
 
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.engine import AsyncLLMEngine
-from pagedllm.server.app import ServerSettings, build_app
+from pagedllm.server.app import ServerSettings, build_app, uvicorn_options
 from tests._uvicorn import serve_in_thread
 
 MODEL_NAME = "tiny"
@@ -71,7 +71,8 @@ def live_server(model: str, settings: ServerSettings | None = None, api_key: str
                 **engine_overrides: Any) -> Iterator[LiveServer]:
     engine = make_engine(model, **engine_overrides)
     try:
-        with serve_in_thread(build_app(engine, settings, api_key=api_key)) as url:
+        settings = settings or ServerSettings()
+        with serve_in_thread(build_app(engine, settings, api_key=api_key), **uvicorn_options(settings)) as url:
             yield LiveServer(url, engine, api_key)
     finally:
         engine.shutdown()

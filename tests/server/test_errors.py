@@ -46,7 +46,7 @@ COMPLETIONS_400 = [
     ({"prompt": "hi", "max_tokens": "7"}, "max_tokens", "integer"),
     ({"prompt": "hi", "max_tokens": 0}, "max_tokens", ">= 1"),
     ({"prompt": "hi", "max_tokens": 1.5}, "max_tokens", "integer"),
-    ({"prompt": "hi", "temperature": -1}, "temperature", ">= 0"),
+    ({"prompt": "hi", "temperature": -1}, "temperature", "[0, 1e+06]"),
     ({"prompt": "hi", "temperature": "hot"}, "temperature", "number"),
     ({"prompt": "hi", "top_p": 0}, "top_p", "(0, 1]"),
     ({"prompt": "hi", "top_k": -5}, "top_k", "between"),
@@ -55,7 +55,7 @@ COMPLETIONS_400 = [
     ({"prompt": "hi", "min_p": 2}, "min_p", "[0, 1]"),
     ({"prompt": "hi", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
     ({"prompt": "hi", "frequency_penalty": -3}, "frequency_penalty", "[-2, 2]"),
-    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "> 0"),
+    ({"prompt": "hi", "repetition_penalty": 0}, "repetition_penalty", "[1e-06, 1e+06]"),
     ({"prompt": "hi", "n": 0}, "n", "between"),
     ({"prompt": "hi", "n": 10**6}, "n", "between"),
     ({"prompt": "hi", "seed": -1}, "seed", "between"),
@@ -114,7 +114,7 @@ def test_bad_chat_requests_are_400(server, body: dict[str, Any], param: str, tex
 
 
 def test_chat_template_failures_are_400(server) -> None:
-    state = SimpleNamespace(llm_engine=server.engine.engine,
+    state = SimpleNamespace(llm_engine=server.engine.engine, settings=ServerSettings(),
                             chat_template="{{ raise_exception('roles must alternate') }}")
     with pytest.raises(APIError) as exc_info:
         render_chat(state, [{"role": "user", "content": "hi"}])
