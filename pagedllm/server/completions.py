@@ -16,6 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from pagedllm.core.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedllm.server.body import off_loop, read_json
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     MAX_LOGPROBS,
@@ -23,9 +24,7 @@ from pagedllm.server.protocol import (
     check_model,
     clamp_logprob,
     encode_prompt,
-    off_loop,
     prepare,
-    read_json,
     sampling_fields,
     stream_options,
     top_entries,

@@ -17,7 +17,11 @@ from starlette.requests import Request
 from pagedllm.core.config import opt
 from pagedllm.core.engine import AsyncLLMEngine, LLMEngine
 from pagedllm.server.metrics import ServerMetrics
-from pagedllm.server.reasoning import REASONING_PARSERS, DeepSeekR1ReasoningParser, get_reasoning_parser
+from pagedllm.server.reasoning import (
+    REASONING_PARSERS,
+    DeepSeekR1ReasoningParser,
+    get_reasoning_parser,
+)
 from pagedllm.server.shutdown import Lifecycle
 
 

@@ -14,7 +14,9 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from pagedllm.server.chat import REFUSED_CHAT_FIELDS, parse_messages, render_chat
+from pagedllm.server.body import off_loop, read_json
+from pagedllm.server.chat import REFUSED_CHAT_FIELDS, parse_messages
+from pagedllm.server.chat_template import render_chat
 from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     CHARS_PER_TOKEN,
@@ -23,8 +25,6 @@ from pagedllm.server.protocol import (
     check_messages,
     check_model,
     check_text_len,
-    off_loop,
-    read_json,
 )
 from pagedllm.server.state import ServerState, state_of
 

@@ -9,7 +9,7 @@ from typing import Any, Iterator
 import pytest
 
 from pagedllm.server.app import ServerSettings
-from pagedllm.server.chat import render_chat
+from pagedllm.server.chat_template import render_chat
 from pagedllm.server.errors import APIError
 
 MAX_BODY = 4096
