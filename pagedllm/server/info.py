@@ -3,14 +3,12 @@ about the server, answered without touching the engine's queue."""
 
 from __future__ import annotations
 
-import os
-
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 import pagedllm
 from pagedllm.server.metrics import CONTENT_TYPE
-from pagedllm.server.state import state_of
+from pagedllm.server.state import model_as_given, state_of
 
 
 async def health(request: Request) -> Response:
@@ -27,13 +25,12 @@ async def version(request: Request) -> Response:
 async def models(request: Request) -> Response:
     """OpenAI's model list, with vLLM's `root` and `max_model_len`.
 
-    `root` is the model as given on the command line, as in vLLM; with no model given, the
-    bundled model's file name. Never a path the server resolved itself: that would tell
-    every client where the server is installed.
+    `root` is the model as given (`state.model_as_given`), never a path the server resolved
+    itself: that would tell every client where the server is installed.
     """
     state = state_of(request)
     llm_engine = state.llm_engine
-    root = llm_engine.config.model.model or os.path.basename(llm_engine.model_path)
+    root = model_as_given(llm_engine)
     return JSONResponse({"object": "list", "data": [
         {"id": name, "object": "model", "created": state.created, "owned_by": "pagedllm",
          "root": root, "parent": None, "max_model_len": llm_engine.max_model_len,

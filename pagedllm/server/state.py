@@ -83,11 +83,16 @@ def load_chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template {value!r} is neither an existing file nor an inline Jinja template")
 
 
+def model_as_given(llm_engine: LLMEngine) -> str:
+    """The model as given on the command line (as vLLM reports it), else — the bundled
+    default model — its file name: shorter to type than its path, and it does not tell
+    clients where the server is installed."""
+    return llm_engine.config.model.model or os.path.basename(llm_engine.model_path)
+
+
 def served_model_names(engine: AsyncLLMEngine) -> list[str]:
-    """`--served-model-name`, else the model as given on the command line (as vLLM does),
-    else — the bundled default model — its file name, which is shorter to type than its path."""
-    model = engine.engine.config.model
-    return [model.served_model_name or model.model or os.path.basename(engine.engine.model_path)]
+    """`--served-model-name`, else the model as given (`model_as_given`)."""
+    return [engine.engine.config.model.served_model_name or model_as_given(engine.engine)]
 
 
 @dataclass
