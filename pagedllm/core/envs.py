@@ -35,7 +35,11 @@ ENV_VARS: dict[str, EnvVar] = {
                "1 (default) builds and uses the native CPU kernels when a C compiler is found (packed dense "
                "float32 weights, step replay); 0 keeps plain torch ops."),
         EnvVar("PAGEDLLM_CACHE_DIR", None,
-               "Where built native kernels are cached (default ~/.cache/pagedllm)."),
+               "Where built native kernels and measured kernel crossovers are cached (default ~/.cache/pagedllm)."),
+        EnvVar("PAGEDLLM_FLOAT32_MATMUL_PRECISION", None,
+               "auto (default), highest or medium: whether float32 models may multiply with bf16 products "
+               "where the hardware makes that faster; auto allows it only for --dtype auto on quantized "
+               "checkpoints that name no float dtype (GGUF)."),
         EnvVar("PAGEDLLM_USE_V1", "VLLM_USE_V1",
                "Accepted for compatibility and ignored with a warning: there is one engine."),
     ]

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pagedllm.core import envs, precision
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.contracts import (
     AttentionContext,
@@ -110,10 +111,16 @@ class Worker:
                            attention_backend=self.backend, kv_cache_dtype=kv_dtype_name,
                            block_size=self.block_size, quant_config=quant,
                            extra=dict(config.plugin_options))
+        self.matmul_precision = "highest"
+        if self.dtype == torch.float32:
+            self.matmul_precision, why = precision.resolve(
+                envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION"), config.model.dtype, quant is not None)
+            logger.info("float32 matmul precision %s (%s)", self.matmul_precision, why)
         start = time.perf_counter()
-        with torch.device(self.device):
-            self.model: CausalLM = model_cls(ctx)
-        self.model.load_weights(self._cast(source.weights()))
+        with precision.matmul_precision(self.matmul_precision):
+            with torch.device(self.device):
+                self.model: CausalLM = model_cls(ctx)
+            self.model.load_weights(self._cast(source.weights()))
         self.model.eval()
         logger.info("loaded %s weights in %.1fs", type(self.model).__name__, time.perf_counter() - start)
         self.builder = self.backend.builder_cls()(self.attn_spec)

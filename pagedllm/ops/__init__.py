@@ -18,9 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.ops.dispatch import Op, chosen, reset
+from pagedllm.core.precision import float32_matmul_precision, matmul_precision
 
-__all__ = ["Op", "PackedLinear", "chosen", "gather_rows", "pack_linear", "reset", "rms_norm", "rotary_qkv",
-           "silu_and_mul"]
+__all__ = ["Op", "PackedLinear", "chosen", "float32_matmul_precision", "gather_rows", "matmul_precision",
+           "pack_linear", "reset", "rms_norm", "rotary_qkv", "silu_and_mul"]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -76,6 +77,8 @@ class PackedLinear(Protocol):
 
     # True when it holds its own copy of the weight, so the layer may drop the plain one
     owns_copy: bool
+    # names the layout and product dtype (logs, crossover cache keys), e.g. "f32", "bf16"
+    kind: str
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype."""
@@ -83,6 +86,7 @@ class PackedLinear(Protocol):
 
 class _TorchLinear:
     owns_copy = False
+    kind = "torch"
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
@@ -93,7 +97,10 @@ class _TorchLinear:
 
 def _pack_linear(weight: torch.Tensor) -> PackedLinear:
     """Prepare a dense weight [N, K] once, after loading, for repeated x @ W^T: returns a
-    `PackedLinear` (the reference keeps the weight as it is and calls F.linear)."""
+    `PackedLinear` (the reference keeps the weight as it is and calls F.linear).
+
+    For a float32 weight, products must be float32 unless `float32_matmul_precision()` is
+    "medium" at pack time (see pagedllm/core/precision.py); then bf16 products are allowed."""
     return _TorchLinear(weight)
 
 

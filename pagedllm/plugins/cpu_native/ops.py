@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from pagedllm.core.contracts import OpImpl
-from pagedllm.ops.cpu import dense, native
+from pagedllm.core import precision
+from pagedllm.ops.cpu import crossover, dense, features, native
 
 
 def float32_cpu(device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -30,6 +31,19 @@ def _packed_dense_here(device: torch.device, dtype: torch.dtype) -> list[str]:
     if device.type != "cpu" or dtype != torch.float32:
         return ["float32 CPU weights only"]
     return [] if dense.available() else ["no packed float32 kernel here (PAGEDLLM_CPU_KERNELS=0?)"]
+
+
+def _packed_bf16_here(device: torch.device, dtype: torch.dtype) -> list[str]:
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return ["bfloat16 CPU weights only"]
+    return [] if dense.bf16_available() else ["oneDNN's packed linear is unavailable (PAGEDLLM_CPU_KERNELS=0?)"]
+
+
+def bf16_products_pay() -> bool:
+    """Whether float32 matmuls may use bf16 products here: the precision in force allows
+    it and the CPU multiplies bf16 in hardware (elsewhere oneDNN emulates it, slower)."""
+    return (precision.float32_matmul_precision() == "medium" and features.detect().native_bf16
+            and dense.bf16_available())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
@@ -61,15 +75,52 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 class PackedDense:
-    """A float32 weight in the native GEMM's panels (else oneDNN's layout), see dense.py."""
+    """A float32 weight in the native GEMM's panels (else oneDNN's layout), see dense.py.
+
+    Under "medium" float32 matmul precision on a CPU with native bf16 it also packs a bf16
+    copy and measures (crossover.py) from how many rows that is faster; the float32 panels
+    are dropped when bf16 wins from one row, as it does on AMX.
+    """
 
     owns_copy = True
 
     def __init__(self, weight: torch.Tensor) -> None:
+        n, k = weight.shape
         self.packed = dense.prepack(weight)
+        self.bf16: torch.Tensor | None = None
+        self.bf16_from = crossover.NEVER  # rows from which the bf16 copy serves
+        self.kind = "f32"
+        if bf16_products_pay():
+            self.bf16 = dense.prepack_bf16(weight)
+            self.bf16_from = crossover.rows_from(
+                f"dense-f32|onednn-bf16|{n}x{k}", lambda x: dense.linear(x, self.packed, None),
+                lambda x: dense.linear_bf16(x, self.bf16, None), k)
+            if self.bf16_from <= 1:
+                self.packed = None
+                self.kind = "bf16"
+            elif self.bf16_from == crossover.NEVER:
+                self.bf16 = None
+            else:
+                self.kind = f"f32<{self.bf16_from}<=bf16"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.bf16 is not None and (self.packed is None or x.numel() >= self.bf16_from * x.shape[-1]):
+            return dense.linear_bf16(x, self.bf16, bias)
         return dense.linear(x, self.packed, bias)
+
+
+class PackedBF16:
+    """A bf16 weight in oneDNN's packed layout (`--dtype bfloat16`): F.linear would hand
+    oneDNN the plain weight and repack it on every call."""
+
+    owns_copy = True
+    kind = "bf16"
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.bf16 = dense.prepack_bf16(weight)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return dense.linear_bf16(x, self.bf16, bias)
 
 
 OP_IMPLS = [
@@ -78,4 +129,5 @@ OP_IMPLS = [
     OpImpl("rotary_qkv", "cpu_native", rotary_qkv, float32_cpu),
     OpImpl("gather_rows", "cpu_native", gather_rows, float32_cpu),
     OpImpl("pack_linear", "cpu_packed", PackedDense, _packed_dense_here),
+    OpImpl("pack_linear", "cpu_packed_bf16", PackedBF16, _packed_bf16_here),
 ]

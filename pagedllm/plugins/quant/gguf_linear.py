@@ -26,7 +26,7 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, QuantConfig
-from pagedllm.ops.cpu import native
+from pagedllm.ops.cpu import crossover, native
 from pagedllm.plugins.quant.gguf_dequant import dequantize
 from pagedllm.plugins.quant.gguf_file import check_supported, type_name
 
@@ -46,11 +46,10 @@ def raw_num_cols(raw: torch.Tensor, qtype: int) -> int:
     return raw.shape[-1] // type_size * block_size
 
 
-# Row counts up to this take the native kernel even when a dense copy exists: there,
-# streaming 4-bit blocks beats streaming float32 weights through a GEMM. Measured on
-# SmolLM2's shapes (AVX2, 2 threads): 1.3-2.3x faster at 1-4 rows, even at 8-16 rows,
-# and about half the GEMM's speed at 32 rows, where the dense GEMM's float FMAs win.
-NATIVE_MAX_ROWS = 8
+# With a dense copy, batches below a measured row count multiply straight from the
+# blocks (crossover.py, once per layer shape at load): streaming 4-bit blocks beats a
+# float32 GEMM for few rows (SmolLM2's shapes on AVX2, 2 threads: 1.3-2.3x at 1-4 rows,
+# about half the GEMM's speed at 32), while oneDNN's bf16 GEMM on AMX wins from 2 rows.
 
 
 def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.device) -> bool:
@@ -60,9 +59,14 @@ def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.devi
 
 def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
     """Whether this call multiplies from the repacked blocks: always without a dense copy,
-    else only for batches of up to NATIVE_MAX_ROWS rows (float32 x in both cases)."""
+    else for batches below `layer.gguf_native_below` rows (float32 x in both cases)."""
     return (bool(layer.gguf_packed) and x.dtype == torch.float32
-            and (not layer.gguf_has_dense or rows <= NATIVE_MAX_ROWS))
+            and (not layer.gguf_has_dense or rows < layer.gguf_native_below))
+
+
+def _measure_native_below(what: str, native_fn, dense_fn, k: int) -> int:
+    """From how many rows the dense copy beats the blocks (measured once per shape)."""
+    return crossover.rows_from(what, native_fn, lambda x: dense_fn(x, None), k)
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -90,6 +94,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_packed = []  # (PackedWeight, first row, end row): the native kernel's operands
         layer.gguf_has_dense = False
         layer.gguf_dense = None  # ops.pack_linear of the dense copy
+        layer.gguf_native_below = 0  # batches of fewer rows read the blocks (with a dense copy)
 
     @staticmethod
     def _load_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -144,18 +149,16 @@ class GGUFLinearMethod(LinearMethod):
             layer.gguf_dense = ops.pack_linear(weight)
             if not layer.gguf_dense.owns_copy:  # else the packed layout replaces the plain copy
                 layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+            if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
+                types = "+".join(type_name(q).lower() for q, _ in groups)
+                what = f"gguf-{types}|{layer.gguf_dense.kind}|{row}x{layer.gguf_input_size}"
+                layer.gguf_native_below = _measure_native_below(
+                    what, functools.partial(_native_linear, layer), layer.gguf_dense, layer.gguf_input_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        packed = layer.gguf_packed
         rows = x.numel() // layer.gguf_input_size
         if _takes_native(layer, x, rows):
-            x2 = x.reshape(rows, layer.gguf_input_size).contiguous()
-            if len(packed) == 1:
-                out = native.linear(x2, packed[0][0])
-            else:
-                out = torch.empty(rows, sum(layer.gguf_output_sizes), dtype=torch.float32)
-                for weight, start, end in packed:
-                    native.linear(x2, weight, out[:, start:end])
+            out = _native_linear(layer, x.reshape(rows, layer.gguf_input_size))
             if bias is not None:
                 out += bias
             return out.view(*x.shape[:-1], out.shape[-1])
@@ -167,6 +170,18 @@ class GGUFLinearMethod(LinearMethod):
                  for name, qtype in layer.gguf_groups]
         dense = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(x.dtype)
         return F.linear(x, dense, bias)
+
+
+def _native_linear(layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
+    """x2 [rows, K] float32 @ W^T from the repacked block groups."""
+    x2 = x2.contiguous()
+    packed = layer.gguf_packed
+    if len(packed) == 1:
+        return native.linear(x2, packed[0][0])
+    out = torch.empty(x2.shape[0], sum(layer.gguf_output_sizes), dtype=torch.float32)
+    for weight, start, end in packed:
+        native.linear(x2, weight, out[:, start:end])
+    return out
 
 
 def _register_packed(layer: nn.Module, suffix: str, packed: native.PackedWeight) -> None:
@@ -201,6 +216,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         layer.gguf_packed = None
         layer.gguf_has_dense = True
         layer.gguf_head = None  # ops.pack_linear of the dense copy, for logits
+        layer.gguf_native_below = 0  # logits of fewer rows come from the blocks (with a dense copy)
 
     @staticmethod
     def _load(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -232,6 +248,10 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
             layer.weight = nn.Parameter(_dequantize(raw, qtype, hidden).to(layer.gguf_params_dtype),
                                         requires_grad=False)
             layer.gguf_head = ops.pack_linear(layer.weight)  # for logits; lookups read the plain copy
+            if layer.gguf_packed is not None and layer.gguf_params_dtype == torch.float32:
+                what = f"gguf-{type_name(qtype).lower()}|{layer.gguf_head.kind}|{layer.gguf_shape[0]}x{hidden}"
+                layer.gguf_native_below = _measure_native_below(
+                    what, functools.partial(native.linear, w=layer.gguf_packed), layer.gguf_head, hidden)
         else:
             del layer.weight
             layer.gguf_has_dense = False

@@ -68,3 +68,66 @@ def test_offered_for_float32_cpu_only():
     assert cpu_ops.float32_cpu(torch.device("cuda"), torch.float32), "CUDA tensors must be refused"
     names = {(impl.op, impl.name) for impl in cpu_ops.OP_IMPLS}
     assert {op for op, _ in names} == {"rms_norm", "silu_and_mul", "rotary_qkv", "gather_rows", "pack_linear"}
+    assert ("pack_linear", "cpu_packed_bf16") in names
+
+
+needs_native_bf16 = pytest.mark.skipif(not cpu_ops.features.detect().native_bf16 or not cpu_ops.dense.bf16_available(),
+                                       reason="this CPU has no native bf16 (AVX512-BF16/AMX)")
+
+
+def test_highest_precision_packs_float32_only():
+    weight = torch.randn(64, 32)
+    packed = cpu_ops.PackedDense(weight)
+    assert packed.bf16 is None and packed.kind == "f32"
+
+
+def test_medium_precision_without_native_bf16_stays_float32(monkeypatch):
+    monkeypatch.setattr(cpu_ops.features, "detect", lambda: cpu_ops.features.CpuFeatures("test CPU", frozenset({"avx2"})))
+    with ops.matmul_precision("medium"):
+        packed = cpu_ops.PackedDense(torch.randn(64, 32))
+    assert packed.bf16 is None, "bf16 products where the CPU emulates bf16"
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("bf16_from", [1, 4, cpu_ops.crossover.NEVER])
+def test_medium_precision_follows_the_measured_crossover(bf16_from, monkeypatch):
+    """bf16 products from the measured row count (faked here), within bf16's rounding;
+    the float32 panels serve fewer rows, and are dropped when bf16 wins from one row."""
+    monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: bf16_from)
+    gen = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    with ops.matmul_precision("medium"):
+        packed = cpu_ops.PackedDense(weight)
+    assert (packed.bf16 is None) == (bf16_from == cpu_ops.crossover.NEVER)
+    assert (packed.packed is None) == (bf16_from == 1), "float32 panels kept only where they serve"
+    for rows in (1, 3, 4, 40):
+        x = torch.randn(rows, 64, generator=gen)
+        got, exact = packed(x, bias), torch.nn.functional.linear(x, weight, bias)
+        assert got.dtype == torch.float32 and got.shape == (rows, 96)
+        if rows < bf16_from:
+            close(got, exact, f"float32 panels at {rows} rows")
+            continue
+        want = torch.nn.functional.linear(x.bfloat16().double(), weight.bfloat16().double(), bias.double())
+        # bf16 inputs exactly, float32 sums, one bf16 rounding of the product: relative error <= 2^-8
+        torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
+        assert not torch.equal(got, exact), f"{rows} rows: medium precision must use bf16 products here"
+
+
+@pytest.mark.skipif(not cpu_ops.dense.bf16_available(), reason="oneDNN packed linear unavailable")
+def test_crossover_is_measured_for_real_layer_shapes(tmp_path, monkeypatch):
+    """On a real SmolLM2 shape the measurement runs and gives a candidate row count."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_ops, "bf16_products_pay", lambda: True)
+    cpu_ops.crossover.forget()
+    with ops.matmul_precision("medium"):
+        packed = cpu_ops.PackedDense(torch.randn(960, 576))
+    assert packed.bf16_from in (*cpu_ops.crossover.CANDIDATES, cpu_ops.crossover.NEVER)
+    assert (tmp_path / "crossovers.json").exists()
+
+
+@needs_native_bf16
+def test_bf16_weights_get_the_packed_bf16_linear():
+    weight, x = torch.randn(48, 32).bfloat16(), torch.randn(5, 32).bfloat16()
+    packed = cpu_ops.PackedBF16(weight)
+    torch.testing.assert_close(packed(x, None).float(), torch.nn.functional.linear(x, weight).float(),
+                               rtol=1e-2, atol=1e-2)

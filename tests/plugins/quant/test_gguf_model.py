@@ -52,7 +52,8 @@ def one_intra_op_thread():
 
 @pytest.fixture(scope="module")
 def smollm2_llm() -> LLM:
-    return LLM(kv_cache_memory=KV_BYTES, max_model_len=1024)
+    """float32 products everywhere (`--dtype auto` may use bf16 ones, see below)."""
+    return LLM(kv_cache_memory=KV_BYTES, max_model_len=1024, dtype="float32")
 
 
 @pytest.fixture(scope="module")
@@ -81,6 +82,50 @@ def test_smollm2_greedy_parity_with_transformers(smollm2_path, chat_prompts, gre
         expected = full[:full.index(eos) + 1] if eos in full else full
         assert out.outputs[0].token_ids == expected, f"chat {i} ({CHATS[i]!r}) differs from transformers"
     assert len({tuple(o.outputs[0].token_ids) for o in greedy_outputs}) == len(CHATS)
+
+
+# `--dtype auto` on a CPU with native bf16: float32 activations, bf16 products in the
+# GEMMs (core/precision.py). Measured on a Xeon with AMX against transformers in float32:
+# 6 of the 8 chats give the same 32 greedy tokens, and teacher-forced logprobs of our
+# tokens differ by at most 0.08 (transformers' own bf16 run: 6 of 8, at most 0.15).
+MEDIUM_MIN_EQUAL_CHATS = 5
+MEDIUM_LOGPROB_ATOL = 0.2
+
+
+@pytest.mark.slow
+def test_smollm2_dtype_auto_bf16_products_stay_close_to_transformers(smollm2_path, chat_prompts,
+                                                                       greedy_outputs) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from pagedllm.ops.cpu import features
+
+    llm = LLM(kv_cache_memory=KV_BYTES, max_model_len=1024)
+    worker = llm.engine.worker
+    assert worker.matmul_precision == "medium", "--dtype auto on GGUF should allow bf16 products"
+    gate_up = worker.model.model.layers[0].mlp.gate_up_proj
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
+    if not features.detect().native_bf16:  # bf16 would be emulated here: every product stays float32
+        assert "bf16" not in gate_up.gguf_dense.kind
+        assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in greedy_outputs]
+        return
+    assert "bf16" in gate_up.gguf_dense.kind, f"no bf16 copy on a native-bf16 CPU: {gate_up.gguf_dense.kind}"
+    model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
+                                                 gguf_file=os.path.basename(smollm2_path),
+                                                 dtype=torch.float32).eval()
+    equal = 0
+    for i, (prompt, got, ref) in enumerate(zip(chat_prompts, outputs, greedy_outputs)):
+        tokens = got.outputs[0].token_ids
+        equal += tokens == ref.outputs[0].token_ids  # the float32 run equals transformers (test above)
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0]
+        expected = torch.log_softmax(logits.double(), -1)[len(prompt) - 1:-1].gather(
+            1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+        ours = torch.tensor([next(iter(step.values())).logprob for step in got.outputs[0].logprobs],
+                            dtype=torch.float64)
+        worst = (ours - expected).abs().max().item()
+        assert worst <= MEDIUM_LOGPROB_ATOL, f"chat {i}: logprob off by {worst:.3f} from transformers float32"
+    assert equal >= MEDIUM_MIN_EQUAL_CHATS, f"only {equal} of {len(CHATS)} chats kept transformers' greedy tokens"
 
 
 def test_smollm2_knows_paris(smollm2_llm) -> None:
