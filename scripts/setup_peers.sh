@@ -67,7 +67,17 @@ install_llamacpp() {
   # Builds llama.cpp (CPU) from the sdist: needs cmake and a C++ compiler. The multimodal
   # library (llava/mtmd) is skipped: the benchmark needs text only, and it is a third of
   # the build (which takes 30+ minutes on 2 busy cores).
-  CMAKE_ARGS=${CMAKE_ARGS:--DLLAVA_BUILD=OFF} \
+  # On CPUs with AMX, ggml's AMX matmul (llama-cpp-python 0.3.36) died with SIGILL at its
+  # first `tilezero` on the 2-core Sapphire Rapids VM even with AMX permission granted,
+  # so it is built without it there: -march=native (GGML_NATIVE) would switch AMX back on,
+  # so the ISA is named instead (its AVX512-VNNI/BF16 kernels still run).
+  local args="-DLLAVA_BUILD=OFF"
+  if grep -qw amx_tile /proc/cpuinfo 2>/dev/null; then
+    args="$args -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON"
+    args="$args -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON"
+    args="$args -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+  fi
+  CMAKE_ARGS=${CMAKE_ARGS:-$args} \
   CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)} \
     "$venv/bin/pip" install numpy "llama-cpp-python[server]"
   "$venv/bin/python" -c "import llama_cpp; print('llama_cpp', llama_cpp.__version__)"

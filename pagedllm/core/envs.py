@@ -29,6 +29,9 @@ ENV_VARS: dict[str, EnvVar] = {
                "Comma-separated entry-point names of the plugins to load (default: all)."),
         EnvVar("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE",
                "KV-cache size on the CPU in GiB when kv_cache_memory is not given (default 4)."),
+        EnvVar("PAGEDLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND",
+               "CPU engines: auto (default: a thread per available CPU), nobind (keep the environment's "
+               "threads and affinity), or a CPU list such as 0-3 to pin the process there."),
         EnvVar("PAGEDLLM_LOGGING_LEVEL", "VLLM_LOGGING_LEVEL", "Log level (default INFO)."),
         EnvVar("PAGEDLLM_API_KEY", "VLLM_API_KEY", "API key the server requires (same as --api-key)."),
         EnvVar("PAGEDLLM_CPU_KERNELS", None,

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedllm.core import envs, precision
+from pagedllm.core import cpu_threads, envs, precision
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.contracts import (
     AttentionContext,
@@ -97,7 +97,7 @@ class Worker:
             if reasons:
                 raise ValueError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
         kv_dtype_name = config.cache.kv_cache_dtype
-        self.kv_dtype = kv_cache_torch_dtype(kv_dtype_name, self.dtype)
+        kv_cache_torch_dtype(kv_dtype_name, self.dtype)  # an unknown name fails before any backend is asked
         self.kv_spec = model_cls.kv_cache_spec(source.hf_config)
         self.attn_spec = AttentionSpec(num_heads=self.kv_spec.num_heads, num_kv_heads=self.kv_spec.num_kv_heads,
                                        head_size=self.kv_spec.head_size, dtype=self.dtype,
@@ -106,11 +106,14 @@ class Worker:
         requested, decided_by = _requested_backend(config)
         self.backend = registry.attention_backend(requested, self.attn_spec)
         logger.info("attention backend %s (%s)", self.backend.name, decided_by)
+        self.kv_dtype = self.backend.kv_cache_dtype(self.attn_spec)
 
         ctx = ModelContext(hf_config=source.hf_config, dtype=self.dtype, device=self.device,
                            attention_backend=self.backend, kv_cache_dtype=kv_dtype_name,
                            block_size=self.block_size, quant_config=quant,
                            extra=dict(config.plugin_options))
+        if self.device.type == "cpu":
+            logger.info("CPU threads: %s", cpu_threads.apply(envs.get("PAGEDLLM_CPU_OMP_THREADS_BIND")))
         self.matmul_precision = "highest"
         if self.dtype == torch.float32:
             self.matmul_precision, why = precision.resolve(

@@ -163,6 +163,14 @@ class AttentionBackend(ABC):
         return (2, num_blocks, block_size, num_kv_heads, head_size)
 
     @classmethod
+    def kv_cache_dtype(cls, spec: AttentionSpec) -> torch.dtype:
+        """The element type this backend keeps the cache in: by default the model dtype, or
+        the FP8 kind `spec.kv_cache_dtype` names. A backend whose kernels are faster and
+        exact in a wider type may keep that for "auto" (CPU_ATTN keeps float32 under a
+        bf16 model); q, k and v still arrive, and the output must leave, in spec.dtype."""
+        return kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
+
+    @classmethod
     @abstractmethod
     def builder_cls(cls) -> type[AttentionMetadataBuilder]:
         """The metadata builder class (imported lazily, on selection)."""

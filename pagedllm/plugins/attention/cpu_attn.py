@@ -6,8 +6,11 @@ Here the C kernel (ops/cpu/csrc) walks each request's block table and reads keys
 and values in place, for decodes and for prefill chunks up to `NATIVE_MAX_QUERY_LEN`
 tokens; longer chunks go through the reference path, where torch's fused SDPA wins.
 Same cache layout as TORCH: [2, num_blocks, block_size, num_kv_heads, head_size].
-Float32 only (the fast dtype on CPUs without native bf16), no FP8 cache: anything else
-is refused by `check()`, so auto-selection falls back to TORCH.
+The cache and the kernels are float32. A bf16 model keeps its cache in float32 too
+(`kv_cache_dtype`): q, k and v are widened on the way in and the output rounded back, which
+costs two conversions per layer instead of TORCH's per-layer gather of every block, and
+keeps the attention itself exact. No FP8 cache and no float16: `check()` refuses them,
+so auto-selection falls back to TORCH.
 """
 
 from __future__ import annotations
@@ -79,6 +82,9 @@ class CpuMetadataBuilder(AttentionMetadataBuilder):
 
 class CpuAttentionImpl(TorchAttentionImpl):
     def forward(self, q, k, v, kv_cache, metadata: CpuAttentionMetadata):
+        dtype = q.dtype
+        if dtype != torch.float32:  # a bf16 model: the cache and the kernels are float32
+            return self.forward(q.float(), k.float(), v.float(), kv_cache, metadata).to(dtype)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         native.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = torch.empty(q.shape, dtype=q.dtype)
@@ -103,13 +109,17 @@ class CpuAttnBackend(AttentionBackend):
         reasons = []
         if spec.device.type != "cpu":
             reasons.append("runs on the CPU only")
-        if spec.dtype != torch.float32:
-            reasons.append(f"dtype {spec.dtype} (float32 only; use TORCH)")
+        if spec.dtype not in (torch.float32, torch.bfloat16):
+            reasons.append(f"dtype {spec.dtype} (float32 and bfloat16 only; use TORCH)")
         if spec.kv_cache_dtype != "auto":
             reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} (float32 cache only; use TORCH for FP8)")
         if not reasons and not native.available():
             reasons.append("native CPU kernels unavailable (no C compiler, or PAGEDLLM_CPU_KERNELS=0)")
         return reasons
+
+    @classmethod
+    def kv_cache_dtype(cls, spec: AttentionSpec) -> torch.dtype:
+        return torch.float32  # the kernels' type, for float32 and bf16 models alike (check() refuses FP8)
 
     @classmethod
     def builder_cls(cls):

@@ -27,6 +27,13 @@ def float32_cpu(device: torch.device, dtype: torch.dtype) -> list[str]:
     return reasons
 
 
+def bf16_cpu(device: torch.device, dtype: torch.dtype) -> list[str]:
+    """Why the bf16 wrappers (float32 kernels between two conversions) cannot run here."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return ["bfloat16 CPU tensors only"]
+    return float32_cpu(device, torch.float32)
+
+
 def _packed_dense_here(device: torch.device, dtype: torch.dtype) -> list[str]:
     if device.type != "cpu" or dtype != torch.float32:
         return ["float32 CPU weights only"]
@@ -72,6 +79,32 @@ def rotary_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return native.gather_rows(table.contiguous(), ids)
+
+
+# bf16 models (`--dtype bfloat16`): the float32 kernels between two conversions. Each op's
+# reference computes in float32 too, so only the final bf16 rounding is shared.
+
+def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    if residual is not None:
+        residual = x + residual  # the sum stays in the model dtype, as the reference keeps it
+        x = residual
+    out = native.rms_norm(x.reshape(-1, x.shape[-1]).float(), weight, eps).to(x.dtype).view(x.shape)
+    return out if residual is None else (out, residual)
+
+
+def silu_and_mul_bf16(x: torch.Tensor) -> torch.Tensor:
+    return silu_and_mul(x.float()).to(x.dtype)
+
+
+def rotary_qkv_bf16(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
+                    sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    wide = qkv.float()
+    native.rope_neox_(wide, num_heads + num_kv_heads, head_dim, cos, sin)
+    t, q_size, kv_size = qkv.shape[0], num_heads * head_dim, num_kv_heads * head_dim
+    out = wide.to(qkv.dtype)
+    return (out[:, :q_size].view(t, num_heads, head_dim),
+            out[:, q_size:q_size + kv_size].view(t, num_kv_heads, head_dim),
+            out[:, q_size + kv_size:].view(t, num_kv_heads, head_dim))
 
 
 class PackedDense:
@@ -130,4 +163,7 @@ OP_IMPLS = [
     OpImpl("gather_rows", "cpu_native", gather_rows, float32_cpu),
     OpImpl("pack_linear", "cpu_packed", PackedDense, _packed_dense_here),
     OpImpl("pack_linear", "cpu_packed_bf16", PackedBF16, _packed_bf16_here),
+    OpImpl("rms_norm", "cpu_native_bf16", rms_norm_bf16, bf16_cpu),
+    OpImpl("silu_and_mul", "cpu_native_bf16", silu_and_mul_bf16, bf16_cpu),
+    OpImpl("rotary_qkv", "cpu_native_bf16", rotary_qkv_bf16, bf16_cpu),
 ]

@@ -131,3 +131,28 @@ def test_bf16_weights_get_the_packed_bf16_linear():
     packed = cpu_ops.PackedBF16(weight)
     torch.testing.assert_close(packed(x, None).float(), torch.nn.functional.linear(x, weight).float(),
                                rtol=1e-2, atol=1e-2)
+
+
+def test_bf16_wrappers_match_the_references():
+    """The bf16 ops compute in float32 like their references: results equal after the
+    final bf16 rounding but for rare one-ulp ties."""
+    gen = torch.Generator().manual_seed(3)
+    x, res = torch.randn(5, 64, generator=gen).bfloat16(), torch.randn(5, 64, generator=gen).bfloat16()
+    weight = torch.rand(64, generator=gen) + 0.5
+    bf16 = dict(rtol=2**-7, atol=1e-2)
+    torch.testing.assert_close(cpu_ops.rms_norm_bf16(x, weight, 1e-6), ops.rms_norm.reference(x, weight, 1e-6), **bf16)
+    got, got_sum = cpu_ops.rms_norm_bf16(x, weight, 1e-6, res.clone())
+    want, want_sum = ops.rms_norm.reference(x, weight, 1e-6, res.clone())
+    torch.testing.assert_close(got, want, **bf16)
+    assert torch.equal(got_sum, want_sum) and got.dtype == torch.bfloat16
+    gate_up = torch.randn(3, 80, generator=gen).bfloat16()
+    torch.testing.assert_close(cpu_ops.silu_and_mul_bf16(gate_up), ops.silu_and_mul.reference(gate_up), **bf16)
+    t, h, kvh, d = 4, 4, 2, 16
+    qkv = torch.randn(t, (h + 2 * kvh) * d, generator=gen).bfloat16()
+    angles = torch.rand(t, d // 2, generator=gen) * 6
+    for g, w in zip(cpu_ops.rotary_qkv_bf16(qkv, h, kvh, d, angles.cos(), angles.sin()),
+                    ops.rotary_qkv.reference(qkv, h, kvh, d, angles.cos(), angles.sin())):
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape
+        torch.testing.assert_close(g, w, **bf16)
+    assert cpu_ops.bf16_cpu(torch.device("cpu"), torch.bfloat16) == []
+    assert cpu_ops.bf16_cpu(torch.device("cpu"), torch.float32)
