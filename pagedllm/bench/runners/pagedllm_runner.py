@@ -14,8 +14,11 @@ def load(job: dict) -> tuple[Any, dict]:
     from pagedllm import LLM
 
     llm = LLM(**job.get("engine_kwargs", {}))
-    info = {"version": pagedllm.__version__, "model": llm.engine.model_path,
-            "dtype": str(llm.engine.worker.dtype) if hasattr(llm.engine.worker, "dtype") else "?",
+    worker = llm.engine.worker
+    dtype = str(getattr(worker, "dtype", "?")).replace("torch.", "")
+    if getattr(worker, "matmul_precision", "highest") == "medium":
+        dtype += " (matmul precision medium: bf16 products where the CPU has them and they measure faster)"
+    info = {"version": pagedllm.__version__, "model": llm.engine.model_path, "dtype": dtype,
             "torch_threads": torch.get_num_threads(), "mode": "continuous batching"}
     return llm, info
 
