@@ -38,6 +38,7 @@ from typing import Any
 
 from pagedllm.bench.peers import (ALL_ENGINES, EngineSpec, cpu_has_native_bf16, engine_specs,
                                   resolve_hf_model)
+from pagedllm.bench.probe import machine_speed
 from pagedllm.bench.serve import _stream_one, benchmark, completions_url
 from pagedllm.bench.workload import BenchRequest, random_requests, special_ids, vocab_size_of
 from pagedllm.engine_args import add_engine_args, engine_kwargs_from_args
@@ -54,6 +55,7 @@ class EngineResult:
     serve: dict[str, Any] = field(default_factory=dict)
     serve_status: str = ""
     log: str = ""
+    probe: dict[str, Any] = field(default_factory=dict)  # {"offline"|"serve": machine_speed()} before each phase
 
 
 def add_compare_args(parser: argparse.ArgumentParser) -> None:
@@ -279,7 +281,8 @@ def table(results: list[EngineResult]) -> str:
 
     head = ["engine", "mode", "batched out tok/s", "paged/peer", "single-stream tok/s", "paged/peer",
             "start-up to 1st token (s)", "serve out tok/s", "paged/peer", "serve TTFT p50 (ms)",
-            "serve TPOT p50 (ms)", "serve start-up to 1st token (s)", "status"]
+            "serve TPOT p50 (ms)", "serve start-up to 1st token (s)", "machine GFLOP/s before (offline / serve)",
+            "status"]
     rows = [head, ["---"] * len(head)]
     for r in results:
         info = r.offline.get("info", {}) if r.offline else {}
@@ -302,7 +305,9 @@ def table(results: list[EngineResult]) -> str:
             _fmt(_get(r.offline, "startup_to_first_token_s"), 2), _fmt(serve_tps),
             _ratio(_get(ours.serve, "output_throughput"), serve_tps),
             _fmt(_get(r.serve, "p50_ttft_ms")), _fmt(_get(r.serve, "p50_tpot_ms")),
-            _fmt(_get(r.serve, "startup_to_first_token_s"), 2), status.replace("|", "/"),
+            _fmt(_get(r.serve, "startup_to_first_token_s"), 2),
+            f"{_fmt(_get(r.probe, 'offline', 'gflops'))} / {_fmt(_get(r.probe, 'serve', 'gflops'))}",
+            status.replace("|", "/"),
         ])
     return "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
 
@@ -344,8 +349,12 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
         if work_load is None:  # nothing is installed: report, run nothing
             results.append(EngineResult(spec.name, status=spec.missing))
             continue
+        probe = machine_speed() if spec.python is not None else None
         res = run_offline(spec, work_load, args, work)
+        if probe:
+            res.probe["offline"] = probe
         if args.serve and spec.python is not None:
+            res.probe["serve"] = machine_speed()
             run_serve_phase(spec, res, (work_load.warmup, texts[0]), work_load.serve, texts[1:], args, work)
         results.append(res)
     print()
@@ -361,7 +370,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
                         "cpu_count": os.cpu_count(), "cpu": features.detect().to_dict()},
            "engines": [{"name": r.name, "status": r.status, "offline": r.offline, "serve_status": r.serve_status,
                         "serve": {k: v for k, v in r.serve.items() if k not in ("ttfts", "itls", "output_lens")},
-                        "log": r.log} for r in results]}
+                        "machine_probe": r.probe, "log": r.log} for r in results]}
     if args.output_json:
         with open(args.output_json, "w", encoding="utf-8") as f:
             json.dump(out, f, indent=2, default=str)

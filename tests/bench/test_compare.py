@@ -47,6 +47,14 @@ def test_table_ratios_are_pagedllm_over_peer() -> None:
     assert rows["pagedllm"][2:6] == ["100.0", "1.00x", "20.0", "1.00x"]
     assert rows["peer"][2:6] == ["400.0", "0.25x", "10.0", "2.00x"]
     assert rows["gone"][2] == "-" and rows["gone"][-1] == NOT_INSTALLED
+    assert rows["pagedllm"][-2] == "- / -", "no probe ran: no machine speed shown"
+
+
+def test_table_shows_the_machine_speed_before_each_phase() -> None:
+    r = _result("pagedllm", 100.0, 20.0)
+    r.probe = {"offline": {"gflops": 151.24, "read_gbs": 20.0}, "serve": {"gflops": 88.0, "read_gbs": 12.0}}
+    row = table([r]).splitlines()[2].split("|")[1:-1]
+    assert row[-2].strip() == "151.2 / 88.0"
 
 
 def test_table_flags_engines_that_stop_short() -> None:
@@ -76,6 +84,8 @@ def test_compare_runs_pagedllm_and_transformers_in_subprocesses(tiny_model_dir: 
         assert offline["batched"]["output_tokens"] == offline["batched"]["expected_output_tokens"] == 12
         assert offline["single_stream"]["output_tokens"] == 4
         assert offline["startup_to_first_token_s"] >= offline["load_s"] > 0
+        probe = engines[name]["machine_probe"]["offline"]  # the machine's speed just before the run
+        assert probe["gflops"] > 0 and probe["read_gbs"] > 0
     job = json.loads((tmp_path / "logs" / "pagedllm.job.json").read_text())
     other = json.loads((tmp_path / "logs" / "transformers-fp32.job.json").read_text())
     for key in ("warmup_prompt", "batched_sets", "single_sets"):
