@@ -1,6 +1,6 @@
 """Step replay (pagedllm/plugins/cpu_native/replay.py): recorded decode steps give exactly what
-eager steps give, forwards that compute with torch ops stay eager, a bad replay turns
-replay off, and --enforce-eager never records."""
+eager steps give, with or without torch ops between the kernels; forwards whose Python
+reads tensor values stay eager; a bad replay turns replay off; --enforce-eager never records."""
 
 from __future__ import annotations
 
@@ -24,6 +24,13 @@ def generate(model_dir, **kwargs):
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     return llm, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in step.items()} for step in o.outputs[0].logprobs])
                  for o in outputs]
+
+
+@pytest.fixture(autouse=True)
+def keep_every_graph(monkeypatch):
+    """Correctness tests keep graphs with torch ops even where a replay timed slower
+    (test_a_slower_replay_stays_eager covers the timing rule)."""
+    monkeypatch.setattr(replay, "DROP_SLOWER", False)
 
 
 @pytest.fixture
@@ -70,12 +77,56 @@ def test_first_forward_of_a_shape_is_a_warm_up_not_a_recording(tiny_model_dir, r
     assert replays["n"] == 4, f"{replays['n']} replays of 6 steps (expected: a warm-up, a recording, 4 replays)"
 
 
-def test_forward_with_torch_ops_stays_eager(tiny_model_dir, replays):
-    """Qwen3 normalises q and k per head with torch ops between kernels: not replayable."""
+def test_forward_with_torch_ops_is_replayed_too(tiny_model_dir, replays):
+    """Qwen3 normalises q and k per head with torch ops between kernels: those calls are
+    recorded in order with the kernels and run again on replay, with the same result."""
     model_dir = tiny_model_dir("qwen3")
     llm, got = generate(model_dir)
+    graphs = [g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None]
+    assert graphs and all(g.ops for g in graphs), "Qwen3's decode steps were not recorded with their torch ops"
+    assert all(g.verified for g in graphs)
+    assert replays["n"] >= 7
+    _, eager = generate(model_dir, enforce_eager=True)
+    assert got == eager, "replayed torch ops gave other tokens or logprobs than eager steps"
+
+
+def test_bf16_products_are_replayed(tiny_model_dir, replays, monkeypatch):
+    """Under "medium" precision the GEMMs are oneDNN calls (torch ops) between the
+    kernels; their replays equal eager steps of the same precision exactly."""
+    from pagedllm.plugins.cpu_native import ops as cpu_ops
+
+    if not cpu_ops.dense.bf16_available():
+        pytest.skip("oneDNN's packed linear is unavailable")
+    monkeypatch.setenv("PAGEDLLM_FLOAT32_MATMUL_PRECISION", "medium")
+    monkeypatch.setattr(cpu_ops, "bf16_products_pay", lambda: True)  # bf16 even where it is emulated
+    monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: 1)
+    model_dir = tiny_model_dir("llama")
+    llm, got = generate(model_dir)
+    assert llm.engine.worker.matmul_precision == "medium"
+    graphs = [g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None]
+    assert graphs and all(g.verified for g in graphs)
+    assert any("linear_pointwise" in getattr(func, "__name__", repr(func)) for g in graphs for _, func, *_ in g.ops)
+    assert replays["n"] >= 7
+    _, eager = generate(model_dir, enforce_eager=True)
+    assert got == eager
+
+
+def test_forward_reading_tensor_values_stays_eager(tiny_model_dir, replays, monkeypatch):
+    """A forward whose Python reads a tensor's value (`.item()`) could take another path
+    on another step: such shapes are never recorded."""
+    from pagedllm.plugins.models import layers
+
+    original = layers.RMSNorm.forward
+
+    def reads_a_value(self, x, *args, **kwargs):
+        x.sum().item()
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(layers.RMSNorm, "forward", reads_a_value)
+    model_dir = tiny_model_dir("llama")
+    llm, got = generate(model_dir)
     graphs = llm.engine.worker.graph_runner.graphs
-    assert graphs and all(g is None for g in graphs.values()), "a forward with torch ops was recorded"
+    assert graphs and all(g is None for g in graphs.values()), "a forward that reads tensor values was recorded"
     assert replays["n"] == 0
     _, eager = generate(model_dir, enforce_eager=True)
     assert got == eager
@@ -118,3 +169,24 @@ def test_a_graph_over_the_memory_budget_stays_eager(tiny_model_dir, replays):
     graphs = llm.engine.worker.graph_runner.graphs
     assert graphs and all(g is None for g in graphs.values()), "a graph over the byte budget was kept"
     assert replays["n"] == 0
+
+
+def test_a_slower_replay_with_torch_ops_stays_eager(tiny_model_dir, monkeypatch):
+    """A graph with torch ops whose first replay took longer than the eager run is dropped."""
+    import time
+
+    monkeypatch.setattr(replay, "DROP_SLOWER", True)
+    original = replay.StepGraph.replay
+
+    def slow(self, inputs):
+        time.sleep(0.05)
+        return original(self, inputs)
+
+    monkeypatch.setattr(replay.StepGraph, "replay", slow)
+    model_dir = tiny_model_dir("qwen3")
+    llm, got = generate(model_dir)
+    replayer = llm.engine.worker.graph_runner
+    assert replayer.graphs and all(g is None for g in replayer.graphs.values()), "a slower graph was kept"
+    assert not replayer.off
+    _, eager = generate(model_dir, enforce_eager=True)
+    assert got == eager
