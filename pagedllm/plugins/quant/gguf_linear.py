@@ -26,7 +26,9 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, QuantConfig
-from pagedllm.ops.cpu import crossover, native
+from pagedllm.core import precision
+from pagedllm.ops.cpu import crossover, features, native
+from pagedllm.plugins.quant import gguf_int4
 from pagedllm.plugins.quant.gguf_dequant import dequantize
 from pagedllm.plugins.quant.gguf_file import check_supported, type_name
 
@@ -64,6 +66,19 @@ def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
             and (not layer.gguf_has_dense or rows < layer.gguf_native_below))
 
 
+def _int4_small_rows(raw: torch.Tensor, qtype: int | None, k: int, what: str, native_fn):
+    """torch's int4 kernel for the batches below the dense crossover where it beats the
+    native one at one row (measured), else None. Only under "medium" precision (bf16
+    activations) on CPUs with native bf16."""
+    if (qtype not in gguf_int4.QTYPES or precision.float32_matmul_precision() != "medium"
+            or not features.detect().native_bf16 or not gguf_int4.available()):
+        return None
+    weight = gguf_int4.Int4Weight(raw, qtype, k)
+    if crossover.rows_from(f"{what}|native|int4pack", native_fn, weight, k) > 1:
+        return None
+    return weight
+
+
 def _measure_native_below(what: str, native_fn, dense_fn, k: int) -> int:
     """From how many rows the dense copy beats the blocks (measured once per shape)."""
     return crossover.rows_from(what, native_fn, lambda x: dense_fn(x, None), k)
@@ -95,6 +110,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_has_dense = False
         layer.gguf_dense = None  # ops.pack_linear of the dense copy
         layer.gguf_native_below = 0  # batches of fewer rows read the blocks (with a dense copy)
+        layer.gguf_int4 = None  # torch's int4 kernel, where it beat the native one for single rows
 
     @staticmethod
     def _load_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -144,6 +160,12 @@ class GGUFLinearMethod(LinearMethod):
                 layer.gguf_groups.append((f"qweight{suffix}", qtype))
             row += rows
         layer.gguf_has_dense = bool(dense)
+        if dense and len(groups) == 1 and layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
+            qtype, parts = groups[0]
+            raw = parts[0] if len(parts) == 1 else torch.cat(parts)
+            layer.gguf_int4 = _int4_small_rows(raw, qtype, layer.gguf_input_size,
+                                               f"gguf-{type_name(qtype).lower()}|{row}x{layer.gguf_input_size}",
+                                               functools.partial(_native_linear, layer))
         if dense:
             weight = (dense[0] if len(dense) == 1 else torch.cat(dense)).to(layer.gguf_params_dtype)
             layer.gguf_dense = ops.pack_linear(weight)
@@ -151,14 +173,18 @@ class GGUFLinearMethod(LinearMethod):
                 layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
             if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
                 types = "+".join(type_name(q).lower() for q, _ in groups)
-                what = f"gguf-{types}|{layer.gguf_dense.kind}|{row}x{layer.gguf_input_size}"
+                small = "int4pack|" if layer.gguf_int4 is not None else ""
+                what = f"gguf-{types}|{small}{layer.gguf_dense.kind}|{row}x{layer.gguf_input_size}"
                 layer.gguf_native_below = _measure_native_below(
-                    what, functools.partial(_native_linear, layer), layer.gguf_dense, layer.gguf_input_size)
+                    what, layer.gguf_int4 or functools.partial(_native_linear, layer), layer.gguf_dense,
+                    layer.gguf_input_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // layer.gguf_input_size
         if _takes_native(layer, x, rows):
-            out = _native_linear(layer, x.reshape(rows, layer.gguf_input_size))
+            x2 = x.reshape(rows, layer.gguf_input_size)
+            # with a dense copy, the blocks serve only batches below the measured crossover
+            out = layer.gguf_int4(x2) if layer.gguf_int4 is not None else _native_linear(layer, x2)
             if bias is not None:
                 out += bias
             return out.view(*x.shape[:-1], out.shape[-1])
