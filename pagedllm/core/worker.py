@@ -25,7 +25,6 @@ from pagedllm.core.contracts import (
     CausalLM,
     GraphRunner,
     ModelContext,
-    kv_cache_torch_dtype,
 )
 from pagedllm.core.loader import ModelSource
 from pagedllm.core.memory import GiB, KVBudget, cpu_kv_bytes, plan_kv_cache
@@ -97,7 +96,6 @@ class Worker:
             if reasons:
                 raise ValueError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
         kv_dtype_name = config.cache.kv_cache_dtype
-        kv_cache_torch_dtype(kv_dtype_name, self.dtype)  # an unknown name fails before any backend is asked
         self.kv_spec = model_cls.kv_cache_spec(source.hf_config)
         self.attn_spec = AttentionSpec(num_heads=self.kv_spec.num_heads, num_kv_heads=self.kv_spec.num_kv_heads,
                                        head_size=self.kv_spec.head_size, dtype=self.dtype,

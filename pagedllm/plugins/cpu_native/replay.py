@@ -76,7 +76,6 @@ class _Watch(TorchFunctionMode):
         super().__init__()
         self.calls = calls
         self.keep: list[Any] = []
-        self.computed: set[str] = set()
         self.data_dependent: set[str] = set()  # torch calls whose result is not a tensor
         self.ops: list[tuple[int, Any, tuple, dict, Any]] = []  # (kernel calls before it, func, args, kwargs, out)
         self.allocated = 0  # bytes of the tensors made here (views of weights and caches are free)
@@ -92,13 +91,11 @@ class _Watch(TorchFunctionMode):
         elif name in VIEW_OPS and "out" not in kwargs and args and isinstance(args[0], torch.Tensor) \
                 and _shares(out, args[0].untyped_storage().data_ptr()):
             pass
-        else:
-            self.computed.add(name)
-            if not _tensors(out):
-                self.data_dependent.add(name)
-            else:
-                self.ops.append((len(self.calls), func, args, kwargs, out))
-                self.allocated += sum(t.untyped_storage().nbytes() for t in _flat(out))
+        elif not _tensors(out):
+            self.data_dependent.add(name)
+        else:  # computes: run again on replay
+            self.ops.append((len(self.calls), func, args, kwargs, out))
+            self.allocated += sum(t.untyped_storage().nbytes() for t in _flat(out))
         self.keep.append(out)
         return out
 
