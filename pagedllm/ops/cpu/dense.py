@@ -25,7 +25,8 @@ import functools
 
 import torch
 
-from pagedllm.ops.cpu import native
+from pagedllm.core import precision
+from pagedllm.ops.cpu import features, native
 
 # The batch-size hint oneDNN picks a blocked layout for; any row count works with it.
 PACK_HINT_ROWS = 256
@@ -59,6 +60,13 @@ def bf16_available() -> bool:
     """True where bf16 weights can be packed for oneDNN (it emulates bf16 on CPUs without
     native support, so callers also check `features.detect().native_bf16`)."""
     return native.switched_on() and _onednn_available()
+
+
+def bf16_products_allowed() -> bool:
+    """Whether float32 matmuls may take bf16 inputs now: "medium" float32 matmul precision
+    is in force (core/precision.py) and the CPU multiplies bf16 in hardware (AVX512-BF16 or
+    AMX; elsewhere bf16 is emulated, slower than float32)."""
+    return precision.float32_matmul_precision() == "medium" and features.detect().native_bf16
 
 
 def prepack_bf16(weight: torch.Tensor) -> torch.Tensor:

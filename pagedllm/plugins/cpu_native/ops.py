@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.core.contracts import OpImpl
-from pagedllm.core import precision
-from pagedllm.ops.cpu import crossover, dense, features, native
+from pagedllm.ops.cpu import crossover, dense, native
 
 
 def float32_cpu(device: torch.device, dtype: torch.dtype) -> list[str]:
@@ -47,10 +46,9 @@ def _packed_bf16_here(device: torch.device, dtype: torch.dtype) -> list[str]:
 
 
 def bf16_products_pay() -> bool:
-    """Whether float32 matmuls may use bf16 products here: the precision in force allows
-    it and the CPU multiplies bf16 in hardware (elsewhere oneDNN emulates it, slower)."""
-    return (precision.float32_matmul_precision() == "medium" and features.detect().native_bf16
-            and dense.bf16_available())
+    """Whether float32 weights get a bf16 copy: bf16 products are allowed here and oneDNN
+    can pack one."""
+    return dense.bf16_products_allowed() and dense.bf16_available()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):

@@ -26,8 +26,7 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, QuantConfig
-from pagedllm.core import precision
-from pagedllm.ops.cpu import crossover, features, native
+from pagedllm.ops.cpu import crossover, dense as dense_kernels, native
 from pagedllm.plugins.quant import gguf_int4
 from pagedllm.plugins.quant.gguf_dequant import dequantize
 from pagedllm.plugins.quant.gguf_file import check_supported, type_name
@@ -68,13 +67,12 @@ def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
 
 def _int4_small_rows(raw: torch.Tensor, qtype: int | None, k: int, what: str, native_fn):
     """torch's int4 kernel for the batches below the dense crossover where it beats the
-    native one at one row (measured), else None. Only under "medium" precision (bf16
-    activations) on CPUs with native bf16."""
-    if (qtype not in gguf_int4.QTYPES or precision.float32_matmul_precision() != "medium"
-            or not features.detect().native_bf16 or not gguf_int4.available()):
+    native one at one row (measured), else None. Only where bf16 products are allowed
+    (its activations are bf16)."""
+    if qtype not in gguf_int4.QTYPES or not dense_kernels.bf16_products_allowed() or not gguf_int4.available():
         return None
     weight = gguf_int4.Int4Weight(raw, qtype, k)
-    if crossover.rows_from(f"{what}|native|int4pack", native_fn, weight, k) > 1:
+    if crossover.rows_from(what, native_fn, weight, k) > 1:
         return None
     return weight
 
@@ -160,24 +158,23 @@ class GGUFLinearMethod(LinearMethod):
                 layer.gguf_groups.append((f"qweight{suffix}", qtype))
             row += rows
         layer.gguf_has_dense = bool(dense)
-        if dense and len(groups) == 1 and layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
-            qtype, parts = groups[0]
-            raw = parts[0] if len(parts) == 1 else torch.cat(parts)
-            layer.gguf_int4 = _int4_small_rows(raw, qtype, layer.gguf_input_size,
-                                               f"gguf-{type_name(qtype).lower()}|{row}x{layer.gguf_input_size}",
-                                               functools.partial(_native_linear, layer))
-        if dense:
-            weight = (dense[0] if len(dense) == 1 else torch.cat(dense)).to(layer.gguf_params_dtype)
-            layer.gguf_dense = ops.pack_linear(weight)
-            if not layer.gguf_dense.owns_copy:  # else the packed layout replaces the plain copy
-                layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
-            if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
-                types = "+".join(type_name(q).lower() for q, _ in groups)
-                small = "int4pack|" if layer.gguf_int4 is not None else ""
-                what = f"gguf-{types}|{small}{layer.gguf_dense.kind}|{row}x{layer.gguf_input_size}"
-                layer.gguf_native_below = _measure_native_below(
-                    what, layer.gguf_int4 or functools.partial(_native_linear, layer), layer.gguf_dense,
-                    layer.gguf_input_size)
+        if not dense:
+            return
+        weight = (dense[0] if len(dense) == 1 else torch.cat(dense)).to(layer.gguf_params_dtype)
+        layer.gguf_dense = ops.pack_linear(weight)
+        if not layer.gguf_dense.owns_copy:  # else the packed layout replaces the plain copy
+            layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
+        if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
+            types = "+".join(type_name(q).lower() for q, _ in groups)
+            shape = f"{row}x{layer.gguf_input_size}"
+            native_fn = functools.partial(_native_linear, layer)
+            if len(groups) == 1:  # `data`: that one group's blocks
+                layer.gguf_int4 = _int4_small_rows(data, groups[0][0], layer.gguf_input_size,
+                                                   f"gguf-{types}|native|int4pack|{shape}", native_fn)
+            small = "int4pack|" if layer.gguf_int4 is not None else ""
+            layer.gguf_native_below = _measure_native_below(
+                f"gguf-{types}|{small}{layer.gguf_dense.kind}|{shape}", layer.gguf_int4 or native_fn,
+                layer.gguf_dense, layer.gguf_input_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // layer.gguf_input_size

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedllm import ops
-from pagedllm.ops.cpu import native
+from pagedllm.ops.cpu import features, native
 from pagedllm.plugins.cpu_native import ops as cpu_ops
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here")
@@ -71,7 +71,7 @@ def test_offered_for_float32_cpu_only():
     assert ("pack_linear", "cpu_packed_bf16") in names
 
 
-needs_native_bf16 = pytest.mark.skipif(not cpu_ops.features.detect().native_bf16 or not cpu_ops.dense.bf16_available(),
+needs_native_bf16 = pytest.mark.skipif(not features.detect().native_bf16 or not cpu_ops.dense.bf16_available(),
                                        reason="this CPU has no native bf16 (AVX512-BF16/AMX)")
 
 
@@ -82,7 +82,7 @@ def test_highest_precision_packs_float32_only():
 
 
 def test_medium_precision_without_native_bf16_stays_float32(monkeypatch):
-    monkeypatch.setattr(cpu_ops.features, "detect", lambda: cpu_ops.features.CpuFeatures("test CPU", frozenset({"avx2"})))
+    monkeypatch.setattr(features, "detect", lambda: features.CpuFeatures("test CPU", frozenset({"avx2"})))
     with ops.matmul_precision("medium"):
         packed = cpu_ops.PackedDense(torch.randn(64, 32))
     assert packed.bf16 is None, "bf16 products where the CPU emulates bf16"
