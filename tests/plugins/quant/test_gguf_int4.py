@@ -3,17 +3,12 @@ dequantized blocks: the same matrix up to bf16's rounding of scales, activations
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from pagedllm.plugins.quant import gguf_dequant, gguf_int4
 from pagedllm.plugins.quant.gguf_file import Q4_0, Q4_1, Q8_0
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "ops" / "cpu"))
-from test_quant_kernels import random_blocks  # noqa: E402
+from tests._ggml_blocks import random_blocks
 
 pytestmark = pytest.mark.skipif(not gguf_int4.available(), reason="torch has no int4 CPU kernel here")
 
