@@ -1,8 +1,10 @@
-"""Run an ASGI app under a real uvicorn on a free loopback port, in a thread (test helper)."""
+"""Run an ASGI app under a real uvicorn on a free loopback port, in a thread, or wait for
+a server subprocess to come up (test helpers)."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
@@ -34,3 +36,23 @@ def serve_in_thread(app: Any, start_timeout: float = 30.0, **options: Any) -> It
         server.should_exit = True
         thread.join(timeout=10)
         sock.close()
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, timeout: float = 90.0) -> None:
+    """Poll `url`/health until it answers 200; a server that exits or does not come up
+    in time is killed and the test fails with its output."""
+    import httpx
+    import pytest
+
+    deadline = time.monotonic() + timeout
+    with httpx.Client(base_url=url, timeout=10) as http:
+        while True:
+            try:
+                if http.get("/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail(f"server did not start:\n{proc.communicate()[0]}")
+            time.sleep(0.2)

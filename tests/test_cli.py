@@ -10,7 +10,6 @@ import re
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import httpx
@@ -22,6 +21,7 @@ from pagedllm.core.config import CONCERNS
 from pagedllm.core.engine import AsyncLLMEngine
 from pagedllm.core.plugins import get_registry
 from pagedllm.engine_args import engine_config_from_args, engine_flags, engine_kwargs_from_args
+from tests._uvicorn import wait_healthy
 
 VLLM_FLAGS = [
     "--host", "--port", "--dtype", "--trust-remote-code", "--max-model-len", "--gpu-memory-utilization",
@@ -210,17 +210,8 @@ def test_serve_starts_logs_and_answers(tiny_model_dir: Any) -> None:
                              "--uvicorn-log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
-        deadline = time.monotonic() + 90
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as http:
-            while True:
-                try:
-                    if http.get("/health").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    pytest.fail(f"server did not start:\n{proc.communicate()[0] if proc.poll() is not None else ''}")
-                time.sleep(0.2)
             assert http.get("/v1/models").status_code == 401  # the key came from the environment
             models = http.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
             assert models["data"][0]["id"] == "tiny"

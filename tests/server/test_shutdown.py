@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests._uvicorn import wait_healthy
 from tests.test_cli import free_port
 
 SHUTDOWN_TIMEOUT_S = 3
@@ -49,21 +50,6 @@ def whole(url: str, body: dict[str, Any], out: dict[str, Any], sent: threading.E
         out["error"] = repr(exc)
     finally:
         sent.set()
-
-
-def wait_healthy(proc: subprocess.Popen, url: str) -> None:
-    deadline = time.monotonic() + 90
-    with httpx.Client(base_url=url, timeout=10) as http:
-        while True:
-            try:
-                if http.get("/health").status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail(f"server did not start:\n{proc.communicate()[0]}")
-            time.sleep(0.2)
 
 
 def running(url: str) -> float:
