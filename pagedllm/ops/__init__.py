@@ -77,7 +77,7 @@ class PackedLinear(Protocol):
 
     # True when it holds its own copy of the weight, so the layer may drop the plain one
     owns_copy: bool
-    # names the layout and product dtype (logs, crossover cache keys), e.g. "f32", "bf16"
+    # names the layout and product dtype (logs, crossover cache keys), e.g. "f32", "amx-bf16"
     kind: str
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -13,10 +13,12 @@ kernel took 0.80-1.0x oneDNN's time at 16 and 64 rows and 0.66-0.85x at 4096 row
 This module is the one place that picks: callers keep `F.linear` where neither is
 available. `PAGEDLLM_CPU_KERNELS=0` turns both off with the other native kernels.
 
-A third layout serves bf16 products (`prepack_bf16` / `linear_bf16`): oneDNN's packed bf16
-weight, which runs on AMX or AVX512-BF16 where the CPU has them. Measured on a 2-core
-Sapphire Rapids (AMX) on SmolLM2's shapes: 1.4-2.5x the native float32 GEMM at 1 row,
-3-4x at 8-32 rows, 5-7x at 64-128 rows (up to ~600 GFLOP/s).
+A third layout serves bf16 products (`prepack_bf16` / `linear_bf16`): on a CPU with AMX,
+our tile kernel (csrc/amx.c), else oneDNN's packed bf16 weight, which runs on AVX512-BF16.
+Measured on a 2-core Sapphire Rapids (AMX) on SmolLM2's shapes: oneDNN's bf16 ran at
+1.4-2.5x the native float32 GEMM at 1 row, 3-4x at 8-32 rows, 5-7x at 64-128 rows; the
+AMX kernel took 0.45-0.75x oneDNN's time at 1-64 rows (it streams the weight near memory
+speed and skips oneDNN's two conversions) and 0.8-1.5x at 512-1024 rows.
 """
 
 from __future__ import annotations
@@ -57,9 +59,21 @@ def prepack(weight: torch.Tensor) -> native.DenseWeight | torch.Tensor | None:
 
 
 def bf16_available() -> bool:
-    """True where bf16 weights can be packed for oneDNN (it emulates bf16 on CPUs without
-    native support, so callers also check `features.detect().native_bf16`)."""
-    return native.switched_on() and _onednn_available()
+    """True where bf16 weights can be packed: AMX tiles (csrc/amx.c) or oneDNN's layout
+    (oneDNN emulates bf16 on CPUs without native support, so callers also check
+    `features.detect().native_bf16`)."""
+    return native.switched_on() and (_amx_available() or _onednn_available())
+
+
+def _amx_available() -> bool:
+    return native.available() and native.amx_available()
+
+
+def bf16_kernel() -> str:
+    """Which kernel `prepack_bf16` packs for: "amx-bf16" (ours, where the CPU has AMX) or
+    "onednn-bf16" (AVX512-BF16 CPUs such as Zen 4, or a build without AMX). Crossover cache
+    keys name it, so a measurement of one is never read for the other."""
+    return "amx-bf16" if _amx_available() else "onednn-bf16"
 
 
 def bf16_products_allowed() -> bool:
@@ -69,15 +83,20 @@ def bf16_products_allowed() -> bool:
     return precision.float32_matmul_precision() == "medium" and features.detect().native_bf16
 
 
-def prepack_bf16(weight: torch.Tensor) -> torch.Tensor:
-    """A bf16 copy of a float or bf16 CPU weight [N, K] in oneDNN's packed layout."""
+def prepack_bf16(weight: torch.Tensor) -> native.AmxWeight | torch.Tensor:
+    """A bf16 copy of a float or bf16 CPU weight [N, K] for `bf16_kernel()`: AMX tiles, else
+    oneDNN's packed layout."""
+    if _amx_available():
+        return native.pack_amx(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), PACK_HINT_ROWS)
 
 
-def linear_bf16(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_bf16(x: torch.Tensor, packed: native.AmxWeight | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with bf16 products and float32 sums, for a weight from
-    `prepack_bf16`; returns x's dtype (a float32 x is rounded to bf16 going in, and the
-    result is bf16-rounded before it comes back as float32)."""
+    `prepack_bf16`; returns x's dtype. A float32 x is rounded to bf16 going in; the AMX
+    kernel returns float32 sums as they are, oneDNN's are bf16-rounded on the way out."""
+    if isinstance(packed, native.AmxWeight):
+        return native.amx_linear(x, packed, bias)
     if x.dtype == torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None if bias is None else bias.to(x.dtype),
                                                   "none", [], "")

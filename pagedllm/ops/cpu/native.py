@@ -40,7 +40,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 2  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 3  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
@@ -65,6 +65,10 @@ _SIGNATURES = {
     "pd_paged_attention": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
                                   _f32, _i64, _f32]),
     "pd_gather_rows": (_i32, [_p, _i64, _i64, _p, _i64, _p]),
+    "pd_has_amx": (_i32, []),
+    "pd_amx_packed_size": (_i64, [_i64, _i64]),
+    "pd_amx_pack": (None, [_p, _i64, _i64, _p]),
+    "pd_amx_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
 }
 
 
@@ -302,6 +306,61 @@ def dense_linear(x: torch.Tensor, w: DenseWeight, bias: torch.Tensor | None = No
     out = torch.empty(m, w.n, dtype=torch.float32)
     if _lib().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(), w.n) != PD_OK:
         raise MemoryError(f"pd_sgemm: out of memory packing {m}x{w.k} activations")
+    return out.view(*lead, w.n)
+
+
+@dataclass(frozen=True)
+class AmxWeight:
+    """A [N, K] matrix as bf16 AMX tiles for `amx_linear` (layout: csrc/amx.c)."""
+
+    n: int
+    k: int
+    tiles: torch.Tensor  # int16 [ceil(N/16) * ceil(K/32) * 512]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel() * self.tiles.element_size()
+
+
+def amx_available() -> bool:
+    """True where the library was built with AMX-BF16 and Linux lets this process use the
+    tiles (the kernel grants tile state on request, csrc/amx.c)."""
+    lib = kernels()
+    return lib is not None and bool(lib.pd_has_amx())
+
+
+def pack_amx(weight: torch.Tensor) -> AmxWeight:
+    """A float or bf16 CPU weight [N, K] rounded to bf16 (nearest even) and tiled once, for
+    `amx_linear`."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight: expected [N, K], got {list(weight.shape)}")
+    n, k = weight.shape
+    w = weight.detach().float().contiguous()
+    tiles = torch.empty(kernels().pd_amx_packed_size(n, k), dtype=torch.int16)
+    kernels().pd_amx_pack(w.data_ptr(), n, k, tiles.data_ptr())
+    return AmxWeight(n, k, tiles)
+
+
+def amx_linear(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (float32 or bf16): bf16 products,
+    float32 sums, one rounding of a bf16 output."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.shape[-1] != w.k:
+        raise ValueError(f"x: expected a CPU float32 or bf16 [..., {w.k}], got {x.device} {x.dtype} {list(x.shape)}")
+    lead = x.shape[:-1]
+    x2 = x if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= w.k else x.reshape(-1, w.k).contiguous()
+    if bias is not None:
+        if bias.shape != (w.n,):
+            raise ValueError(f"bias: expected [{w.n}], got {list(bias.shape)}")
+        bias = bias.float()
+    b = None if bias is None else _ptr(bias, "bias", torch.float32)
+    m, bf16 = x2.shape[0], x.dtype == torch.bfloat16
+    out = torch.empty(m, w.n, dtype=x.dtype)
+    rc = _lib().pd_amx_linear(x2.data_ptr(), bf16, x2.stride(0), m, w.k, w.tiles.data_ptr(), w.n, b, out.data_ptr(),
+                              bf16, w.n)
+    if rc == PD_EINVAL:
+        raise RuntimeError("pd_amx_linear: this build or process has no AMX (check amx_available() first)")
+    if rc != PD_OK:
+        raise MemoryError(f"pd_amx_linear: out of memory rounding {m}x{w.k} activations to bf16")
     return out.view(*lead, w.n)
 
 

@@ -42,12 +42,12 @@ def _packed_dense_here(device: torch.device, dtype: torch.dtype) -> list[str]:
 def _packed_bf16_here(device: torch.device, dtype: torch.dtype) -> list[str]:
     if device.type != "cpu" or dtype != torch.bfloat16:
         return ["bfloat16 CPU weights only"]
-    return [] if dense.bf16_available() else ["oneDNN's packed linear is unavailable (PAGEDLLM_CPU_KERNELS=0?)"]
+    return [] if dense.bf16_available() else ["no packed bf16 linear here (neither AMX nor oneDNN; PAGEDLLM_CPU_KERNELS=0?)"]
 
 
 def bf16_products_pay() -> bool:
-    """Whether float32 weights get a bf16 copy: bf16 products are allowed here and oneDNN
-    can pack one."""
+    """Whether float32 weights get a bf16 copy: bf16 products are allowed here and a bf16
+    kernel (AMX tiles or oneDNN, dense.bf16_kernel) can pack one."""
     return dense.bf16_products_allowed() and dense.bf16_available()
 
 
@@ -124,15 +124,15 @@ class PackedDense:
         if bf16_products_pay():
             self.bf16 = dense.prepack_bf16(weight)
             self.bf16_from = crossover.rows_from(
-                f"dense-f32|onednn-bf16|{n}x{k}", lambda x: dense.linear(x, self.packed, None),
+                f"dense-f32|{dense.bf16_kernel()}|{n}x{k}", lambda x: dense.linear(x, self.packed, None),
                 lambda x: dense.linear_bf16(x, self.bf16, None), k)
             if self.bf16_from <= 1:
                 self.packed = None
-                self.kind = "bf16"
+                self.kind = dense.bf16_kernel()
             elif self.bf16_from == crossover.NEVER:
                 self.bf16 = None
             else:
-                self.kind = f"f32<{self.bf16_from}<=bf16"
+                self.kind = f"f32<{self.bf16_from}<={dense.bf16_kernel()}"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.bf16 is not None and (self.packed is None or x.numel() >= self.bf16_from * x.shape[-1]):
@@ -141,14 +141,13 @@ class PackedDense:
 
 
 class PackedBF16:
-    """A bf16 weight in oneDNN's packed layout (`--dtype bfloat16`): F.linear would hand
-    oneDNN the plain weight and repack it on every call."""
+    """A bf16 weight packed once for dense.bf16_kernel() (`--dtype bfloat16`): F.linear
+    would hand oneDNN the plain weight and repack it on every call."""
 
     owns_copy = True
-    kind = "bf16"
-
     def __init__(self, weight: torch.Tensor) -> None:
         self.bf16 = dense.prepack_bf16(weight)
+        self.kind = dense.bf16_kernel()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return dense.linear_bf16(x, self.bf16, bias)

@@ -90,13 +90,20 @@ def test_forward_with_torch_ops_is_replayed_too(tiny_model_dir, replays):
     assert got == eager, "replayed torch ops gave other tokens or logprobs than eager steps"
 
 
-def test_bf16_products_are_replayed(tiny_model_dir, replays, monkeypatch):
-    """Under "medium" precision the GEMMs are oneDNN calls (torch ops) between the
-    kernels; their replays equal eager steps of the same precision exactly."""
+@pytest.mark.parametrize("kernel", ["onednn", "amx"])
+def test_bf16_products_are_replayed(tiny_model_dir, replays, monkeypatch, kernel):
+    """Under "medium" precision the GEMMs are oneDNN calls (torch ops between the kernels)
+    or, on an AMX CPU, native pd_amx_linear calls; either way their replays equal eager
+    steps of the same precision exactly."""
+    from pagedllm.ops.cpu import native
     from pagedllm.plugins.cpu_native import ops as cpu_ops
 
-    if not cpu_ops.dense.bf16_available():
-        pytest.skip("oneDNN's packed linear is unavailable")
+    if kernel == "amx" and not (native.available() and native.amx_available()):
+        pytest.skip("no AMX on this CPU")
+    if kernel == "onednn":
+        if not cpu_ops.dense._onednn_available():
+            pytest.skip("oneDNN's packed linear is unavailable")
+        monkeypatch.setattr(cpu_ops.dense, "_amx_available", lambda: False)
     monkeypatch.setenv("PAGEDLLM_FLOAT32_MATMUL_PRECISION", "medium")
     monkeypatch.setattr(cpu_ops, "bf16_products_pay", lambda: True)  # bf16 even where it is emulated
     monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: 1)
@@ -105,7 +112,11 @@ def test_bf16_products_are_replayed(tiny_model_dir, replays, monkeypatch):
     assert llm.engine.worker.matmul_precision == "medium"
     graphs = [g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None]
     assert graphs and all(g.verified for g in graphs)
-    assert any("linear_pointwise" in getattr(func, "__name__", repr(func)) for g in graphs for _, func, *_ in g.ops)
+    if kernel == "onednn":
+        assert any("linear_pointwise" in getattr(func, "__name__", repr(func)) for g in graphs for _, func, *_ in g.ops)
+    else:
+        assert any(getattr(fn, "__name__", "") == "pd_amx_linear" for g in graphs for fn, *_ in g.calls), \
+            "no AMX GEMM was recorded"
     assert replays["n"] >= 7
     _, eager = generate(model_dir, enforce_eager=True)
     assert got == eager

@@ -5,6 +5,7 @@
  *   sgemm.c        dense float32 linear: pd_sgemm_pack, pd_sgemm
  *   elementwise.c  pd_rms_norm, pd_silu_mul, pd_rope_neox, pd_gather_rows
  *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention
+ *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear
  *
  * Why C and not torch ops: on a CPU, a decode step of a small model is dominated by
  * reading weights (float32 weights are 4x the bytes of 8-bit blocks and ~6x those of
@@ -42,7 +43,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 2
+#define PD_ABI_VERSION 3
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,

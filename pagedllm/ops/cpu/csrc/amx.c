@@ -1,0 +1,230 @@
+/* A bf16 linear on Intel AMX tiles (pd_amx_pack, pd_amx_linear), built where the
+ * compiler targets a CPU with AMX-BF16 (-march=native on Sapphire Rapids and later).
+ *
+ * Why our own and not oneDNN's (which torch ships and dense.py also uses): at decode
+ * batch sizes (1-64 rows) a linear only streams its weight once, so it should run at
+ * memory bandwidth, and oneDNN's brgemm reached 14 GB/s of weight on SmolLM2's shapes
+ * at 32 rows on a 2-core Sapphire Rapids, a third of what the memory delivers. It also
+ * takes and returns bf16, so a float32 model paid a conversion each way, an op each,
+ * and a bf16 rounding of every output. This kernel reads float32 activations (rounded
+ * to bf16 once, round-to-nearest-even like torch), multiplies bf16 x bf16 on the tiles
+ * with float32 sums, and writes float32 outputs (+ bias) unrounded.
+ *
+ * Weight layout (pd_amx_pack): W [N, K] float32 -> bf16 tiles [ceil(N/16)][ceil(K/32)]
+ * of 16 x 32 bf16, zero-padded: tile (nb, kb) row r holds, for n = 0..15, the pair
+ * W[16nb + n][32kb + 2r], W[16nb + n][32kb + 2r + 1] (the "VNNI" pairing TDPBF16PS
+ * reads), so the 16-column strip of blocks nb is one contiguous stream of 1 KiB tiles.
+ * Work: each thread takes strips two at a time (32 columns) and, for every 32 rows of x,
+ * keeps a 32 x 32 block of y in four accumulator tiles while k runs over the strips.
+ * Sums follow k in order within a row, so results differ from a float32 GEMM on the
+ * bf16-rounded inputs only by the order of float32 additions inside a 32-wide step.
+ */
+#define _GNU_SOURCE
+#include "pd_kernels.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__x86_64__)
+#define PD_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define PD_AMX 0
+#endif
+
+#define AMX_TILE_BF16 512 /* bf16 per weight tile: 16 rows of 32 */
+#ifndef AMX_PREFETCH
+#define AMX_PREFETCH 4 /* weight tiles ahead */
+#endif
+
+#if PD_AMX
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* Linux hands a process the 8 KiB of tile state only when it asks (once per process). */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unknown, 1 granted, -1 refused */
+    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed, aligned(64))) tile_config;
+
+/* tiles 0-3: y blocks (rows 0-15 | 16-31) x (columns 0-15 | 16-31), float32;
+ * 4-5: x rows 0-15 and 16-31 over 32 k; 6-7: the two weight strips' tiles */
+static void amx_configure(void) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* float32 -> bf16, round to nearest even (NaN stays NaN) */
+static inline uint16_t bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* rows [0, M) of x (row stride ldx; float32, or bf16 when x_bf16) -> bf16 [Mp][Kp],
+ * zero-padded to the tile grid */
+static void amx_pack_x(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
+                       uint16_t *xa) {
+#pragma omp parallel for schedule(static) if (M * K >= 32768)
+    for (int64_t i = 0; i < Mp; i++) {
+        uint16_t *dst = xa + i * Kp;
+        int64_t k = 0;
+        if (i < M && x_bf16) {
+            memcpy(dst, (const uint16_t *)x + i * ldx, (size_t)K * sizeof(uint16_t));
+            k = K;
+        } else if (i < M) {
+            const float *src = (const float *)x + i * ldx;
+            for (; k + 16 <= K; k += 16)
+                _mm256_storeu_si256((__m256i *)(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+            for (; k < K; k++) dst[k] = bf16_round(src[k]);
+        }
+        for (; k < Kp; k++) dst[k] = 0;
+    }
+}
+
+/* The 32 x 32 (or smaller: two_m / two_n false drop the second half) block of y at rows
+ * m0.., strips b0 and b1, summed over KB k tiles; written to y with bias, rows < M and
+ * columns < N only. */
+static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n, const uint16_t *xa, int64_t Kp,
+                                                            int64_t KB, const uint16_t *b0, const uint16_t *b1,
+                                                            int64_t m0, int64_t M, int64_t n0, int64_t N,
+                                                            const float *bias, void *y, int y_bf16, int64_t ldy,
+                                                            float *cbuf) {
+    _tile_zero(0);
+    if (two_n) _tile_zero(1);
+    if (two_m) _tile_zero(2);
+    if (two_m && two_n) _tile_zero(3);
+    const uint16_t *a0 = xa + m0 * Kp, *a1 = a0 + 16 * Kp;
+    for (int64_t kb = 0; kb < KB; kb++) {
+        /* the tile loads wait for memory (a tile register is not renamed, so the next
+         * load cannot start before the product reading it ends): fetch ahead */
+        for (int l = 0; l < 16; l++) {
+            _mm_prefetch((const char *)(b0 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
+            if (two_n) _mm_prefetch((const char *)(b1 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
+        }
+        _tile_loadd(4, a0 + kb * 32, Kp * 2);
+        _tile_loadd(6, b0 + kb * AMX_TILE_BF16, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_n) {
+            _tile_loadd(7, b1 + kb * AMX_TILE_BF16, 64);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+        if (two_m) {
+            _tile_loadd(5, a1 + kb * 32, Kp * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            if (two_n) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, cbuf, 128);
+    if (two_n) _tile_stored(1, cbuf + 16, 128);
+    if (two_m) _tile_stored(2, cbuf + 512, 128);
+    if (two_m && two_n) _tile_stored(3, cbuf + 512 + 16, 128);
+    int64_t rows = M - m0 < (two_m ? 32 : 16) ? M - m0 : (two_m ? 32 : 16);
+    int64_t cols = N - n0 < (two_n ? 32 : 16) ? N - n0 : (two_n ? 32 : 16);
+    for (int64_t r = 0; r < rows; r++) {
+        float *c = cbuf + (r < 16 ? r * 32 : 512 + (r - 16) * 32);
+        if (bias != NULL)
+            for (int64_t j = 0; j < cols; j++) c[j] += bias[n0 + j];
+        if (y_bf16) {
+            uint16_t *dst = (uint16_t *)y + (m0 + r) * ldy + n0;
+            if (cols == 32) {
+                _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c)));
+                _mm256_storeu_si256((__m256i *)(dst + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + 16)));
+            } else {
+                for (int64_t j = 0; j < cols; j++) dst[j] = bf16_round(c[j]);
+            }
+        } else {
+            float *dst = (float *)y + (m0 + r) * ldy + n0;
+            if (cols == 32) {
+                _mm512_storeu_ps(dst, _mm512_loadu_ps(c));
+                _mm512_storeu_ps(dst + 16, _mm512_loadu_ps(c + 16));
+            } else {
+                memcpy(dst, c, (size_t)cols * sizeof(float));
+            }
+        }
+    }
+}
+#endif
+
+int pd_has_amx(void) {
+#if PD_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+int64_t pd_amx_packed_size(int64_t N, int64_t K) { return (N + 15) / 16 * ((K + 31) / 32) * AMX_TILE_BF16; }
+
+void pd_amx_pack(const float *w, int64_t N, int64_t K, uint16_t *wp) {
+#if PD_AMX
+    int64_t NB = (N + 15) / 16, KB = (K + 31) / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < NB; nb++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            uint16_t *tile = wp + (nb * KB + kb) * AMX_TILE_BF16;
+            for (int r = 0; r < 16; r++)
+                for (int n = 0; n < 16; n++)
+                    for (int e = 0; e < 2; e++) {
+                        int64_t row = nb * 16 + n, k = kb * 32 + 2 * r + e;
+                        tile[r * 32 + n * 2 + e] = row < N && k < K ? bf16_round(w[row * K + k]) : 0;
+                    }
+        }
+#else
+    (void)w, (void)N, (void)K, (void)wp;
+#endif
+}
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias, float32), W from
+ * pd_amx_pack. x and y are float32, or bf16 where x_bf16 / y_bf16 (a bf16 model: y is
+ * rounded once, after the bias). PD_EINVAL where this build or this process has no AMX;
+ * PD_ENOMEM when the bf16 copy of x cannot be allocated. */
+int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                  const float *bias, void *y, int y_bf16, int64_t ldy) {
+#if PD_AMX
+    if (!amx_permitted()) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    int64_t Kp = (K + 31) / 32 * 32, KB = Kp / 32, Mp = (M + 15) / 16 * 16, NB = (N + 15) / 16;
+    uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)(Mp * Kp) * sizeof(uint16_t));
+    if (xa == NULL) return PD_ENOMEM;
+    amx_pack_x(x, x_bf16, ldx, M, K, Mp, Kp, xa);
+    int64_t pairs = (NB + 1) / 2;
+#pragma omp parallel
+    {
+        float cbuf[1024] __attribute__((aligned(64)));
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            int64_t nb = 2 * p;
+            int two_n = nb + 1 < NB;
+            const uint16_t *b0 = wp + nb * KB * AMX_TILE_BF16, *b1 = b0 + KB * AMX_TILE_BF16;
+            for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                int two_m = m0 + 16 < Mp;
+                if (two_m && two_n) amx_block(1, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                else if (two_m) amx_block(1, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                else if (two_n) amx_block(0, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                else amx_block(0, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+            }
+        }
+        _tile_release();
+    }
+    free(xa);
+    return PD_OK;
+#else
+    (void)x, (void)x_bf16, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)bias, (void)y, (void)y_bf16;
+    (void)ldy;
+    return PD_EINVAL;
+#endif
+}
