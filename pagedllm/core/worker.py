@@ -61,7 +61,9 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
-    buffer = mmap.mmap(-1, nbytes)
+    # private: a shared anonymous map is shmem, which transparent huge pages skip (with
+    # the usual shmem_enabled=never), so every 4 KiB page faulted on its own
+    buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             buffer.madvise(mmap.MADV_HUGEPAGE)

@@ -122,6 +122,130 @@ static inline __attribute__((always_inline)) void weighted_sum32_avx2(int heads,
 }
 #endif
 
+#if PD_AVX512
+/* One work item of pd_paged_attention with 512-bit vectors (D a multiple of 16): the G
+ * query heads at qt against n keys and values (row pointers krow, vrow), scores in
+ * scores[g * ld + j], output at ot[g * D]. Same steps as the AVX2 path; keys are scored
+ * eight at a time for two heads per pass, values summed for up to four heads. */
+static inline __m512 exp_avx512(__m512 x) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(exp_avx2(_mm512_castps512_ps256(x))),
+                              exp_avx2(_mm512_extractf32x8_ps(x, 1)), 1);
+}
+
+static inline __attribute__((always_inline)) void score8_avx512(int heads, const float *q, int64_t D,
+                                                                const float *const *k, float *s, int64_t ld) {
+    __m512 a[16];
+    for (int i = 0; i < 8 * heads; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 q0 = _mm512_loadu_ps(q + d), q1 = heads == 2 ? _mm512_loadu_ps(q + D + d) : q0;
+        for (int i = 0; i < 8; i++) {
+            __m512 kv = _mm512_loadu_ps(k[i] + d);
+            a[i] = _mm512_fmadd_ps(q0, kv, a[i]);
+            if (heads == 2) a[8 + i] = _mm512_fmadd_ps(q1, kv, a[8 + i]);
+        }
+    }
+    for (int h = 0; h < heads; h++) {
+        __m256 r[8];
+        for (int i = 0; i < 8; i++)
+            r[i] = _mm256_add_ps(_mm512_castps512_ps256(a[8 * h + i]), _mm512_extractf32x8_ps(a[8 * h + i], 1));
+        _mm256_storeu_ps(s + h * ld, hsum8_avx2(r));
+    }
+}
+
+static inline __attribute__((always_inline)) void score_keys_avx512(int heads, const float *q, int64_t D,
+                                                                    const float *const *krow, int64_t n, float *s,
+                                                                    int64_t ld) {
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        prefetch_rows(krow + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 8, D);
+        score8_avx512(heads, q, D, krow + j, s + j, ld);
+    }
+    for (; j < n; j++)
+        for (int h = 0; h < heads; h++) s[h * ld + j] = dot(q + h * D, krow[j], D);
+}
+
+/* s[0:n] = softmax(scale * s) (soft_cap > 0: of soft_cap * tanh(scale * s / soft_cap)) */
+static void softmax_row_avx512(float *s, int64_t n, float scale, float soft_cap) {
+    float mx = -INFINITY;
+    if (soft_cap > 0.0f) {
+        for (int64_t j = 0; j < n; j++) {
+            s[j] = soft_cap * tanhf(s[j] * scale / soft_cap);
+            mx = s[j] > mx ? s[j] : mx;
+        }
+        scale = 1.0f;
+    } else {
+        __m512 vmax = _mm512_set1_ps(-INFINITY);
+        for (int64_t j = 0; j < n; j += 16) {
+            __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
+        }
+        mx = _mm512_reduce_max_ps(vmax) * scale; /* scale > 0 */
+    }
+    __m512 vscale = _mm512_set1_ps(scale), vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __m512 e = exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), vscale, vmx));
+        _mm512_mask_storeu_ps(s + j, m, e);
+        vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
+    for (int64_t j = 0; j < n; j += 16) {
+        __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv));
+    }
+}
+
+/* For `heads` (1-4) query heads h and `nz` (1 or 4) vectors of 16 dimensions from
+ * `off`: out[h * D + off ...] = sum_j p[h * ld + j] * v[j][off ...] */
+static inline __attribute__((always_inline)) void wsum_avx512(int heads, int nz, const float *p, int64_t ld,
+                                                              const float *const *v, int64_t n, int64_t off,
+                                                              int64_t D, float *out) {
+    __m512 a[16];
+    for (int i = 0; i < heads * nz; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; j++) {
+        if (off == 0) prefetch_rows(v + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 1, D);
+        const float *vp = v[j] + off;
+        __m512 vz[4];
+        for (int z = 0; z < nz; z++) vz[z] = _mm512_loadu_ps(vp + 16 * z);
+        for (int h = 0; h < heads; h++) {
+            __m512 pj = _mm512_set1_ps(p[h * ld + j]);
+            for (int z = 0; z < nz; z++) a[h * nz + z] = _mm512_fmadd_ps(pj, vz[z], a[h * nz + z]);
+        }
+    }
+    for (int h = 0; h < heads; h++)
+        for (int z = 0; z < nz; z++) _mm512_storeu_ps(out + h * D + off + 16 * z, a[h * nz + z]);
+}
+
+#define PD_WSUM_HEADS(nz)                                                                   \
+    switch (heads) {                                                                        \
+    case 4: wsum_avx512(4, nz, p, ld, vrow, n, d, D, o); break;                             \
+    case 3: wsum_avx512(3, nz, p, ld, vrow, n, d, D, o); break;                             \
+    case 2: wsum_avx512(2, nz, p, ld, vrow, n, d, D, o); break;                             \
+    default: wsum_avx512(1, nz, p, ld, vrow, n, d, D, o); break;                            \
+    }
+
+static void attend_avx512(const float *qt, const float *const *krow, const float *const *vrow, int64_t n,
+                          int64_t G, int64_t D, float scale, float soft_cap, float *scores, int64_t ld, float *ot) {
+    int64_t g = 0;
+    for (; g + 2 <= G; g += 2) score_keys_avx512(2, qt + g * D, D, krow, n, scores + g * ld, ld);
+    if (g < G) score_keys_avx512(1, qt + g * D, D, krow, n, scores + g * ld, ld);
+    for (g = 0; g < G; g++) softmax_row_avx512(scores + g * ld, n, scale, soft_cap);
+    int64_t step = D % 64 == 0 ? 64 : 16;
+    for (int64_t d = 0; d < D; d += step)
+        for (g = 0; g < G; g += 4) {
+            int heads = G - g < 4 ? (int)(G - g) : 4;
+            const float *p = scores + g * ld;
+            float *o = ot + g * D;
+            if (step == 64) {
+                PD_WSUM_HEADS(4)
+            } else {
+                PD_WSUM_HEADS(1)
+            }
+        }
+}
+#undef PD_WSUM_HEADS
+#endif
+
 int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
                        const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
                        const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out, int64_t H,
@@ -164,6 +288,13 @@ int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache,
                 vrow[j] = value_cache + slot * row + kh * D;
             }
             const float *qt = q + qrow * q_stride + kh * G * D; /* this kv head's G query heads */
+            float *ot = out + (qrow * H + kh * G) * D;
+#if PD_AVX512
+            if (D % 16 == 0) {
+                attend_avx512(qt, krow, vrow, n, G, D, scale, soft_cap, scores, max_seq_len, ot);
+                continue;
+            }
+#endif
             int64_t g = 0;
 #if PD_AVX2
             /* two query heads per pass over the keys: each key chunk is loaded once */
@@ -203,7 +334,6 @@ int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache,
                 float inv = 1.0f / exp_sub_sum(s, n, mx);
                 for (int64_t j = 0; j < n; j++) s[j] *= inv;
             }
-            float *ot = out + (qrow * H + kh * G) * D;
             int64_t d = 0;
 #if PD_AVX2
             /* up to three heads at a time, 32 dimensions at a time: each value chunk is

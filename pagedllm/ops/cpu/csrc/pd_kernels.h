@@ -40,6 +40,13 @@
 #define PD_AVX2 0
 #endif
 
+/* 512-bit paths (Zen 4, Xeons since Skylake-SP) beside the AVX2 ones where they pay */
+#if PD_AVX2 && defined(__AVX512F__) && defined(__AVX512DQ__)
+#define PD_AVX512 1
+#else
+#define PD_AVX512 0
+#endif
+
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
