@@ -46,11 +46,11 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> SamplerOutput:
         """logits [len(requests), vocab] float32 -> one token per row."""
         raw = logits
-        logits = self._penalize(logits.clone(), requests)
+        logits = self._penalize(logits, requests)
         params = [r.params for r in requests]
         greedy = torch.tensor([p.greedy for p in params], device=logits.device)
         if bool(greedy.all()):
-            tokens = logits.argmax(dim=-1)
+            tokens = _argmax(logits)
         else:
             tokens = self._random(logits, requests, greedy)
         token_list = tokens.tolist()
@@ -59,14 +59,22 @@ class Sampler:
     # ------------------------------------------------------------------ processing
 
     def _penalize(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The logits after min_tokens bans and repetition penalties: a copy where any
+        applies (the raw logits stay for logprobs), `logits` itself where none does."""
+        bans = []
         for i, req in enumerate(requests):
             p = req.params
             if req.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([req.eos_token_id] if req.eos_token_id is not None else [])
                 if banned:
-                    logits[i, banned] = float("-inf")
+                    bans.append((i, banned))
         needs = [i for i, r in enumerate(requests)
                  if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty]
+        if not bans and not needs:
+            return logits
+        logits = logits.clone()
+        for i, banned in bans:
+            logits[i, banned] = float("-inf")
         if not needs:
             return logits
         vocab = logits.shape[1]
@@ -106,7 +114,7 @@ class Sampler:
             if gen is not None:
                 q[i].exponential_(generator=gen)
         sampled = (probs / q).argmax(dim=-1)
-        return torch.where(greedy, logits.argmax(dim=-1), sampled)
+        return torch.where(greedy, _argmax(logits), sampled)
 
     def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]):
         wanted = [r.params.logprobs for r in requests]
@@ -126,6 +134,13 @@ class Sampler:
             vals = top_vals[i, :w].tolist() if w else []
             out.append((float(chosen[i]), int(ranks[i]), ids, vals))
         return out
+
+
+def _argmax(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index, as `argmax` (NaN counts as the maximum there too):
+    `max(dim).indices` gives the same answer and took 0.6x argmax's time on the CPU
+    (32 x 49152 float32 logits, 2 threads)."""
+    return logits.max(dim=-1).indices
 
 
 def _top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
