@@ -97,12 +97,17 @@ class Worker:
             reasons = quant.check(self.device, self.dtype)
             if reasons:
                 raise ValueError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
+        self.matmul_precision = "highest"
+        if self.dtype == torch.float32:
+            self.matmul_precision, why = precision.resolve(
+                envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION"), config.model.dtype, quant is not None)
+            logger.info("float32 matmul precision %s (%s)", self.matmul_precision, why)
         kv_dtype_name = config.cache.kv_cache_dtype
         self.kv_spec = model_cls.kv_cache_spec(source.hf_config)
         self.attn_spec = AttentionSpec(num_heads=self.kv_spec.num_heads, num_kv_heads=self.kv_spec.num_kv_heads,
                                        head_size=self.kv_spec.head_size, dtype=self.dtype,
                                        kv_cache_dtype=kv_dtype_name, block_size=self.block_size,
-                                       device=self.device)
+                                       device=self.device, matmul_precision=self.matmul_precision)
         requested, decided_by = _requested_backend(config)
         self.backend = registry.attention_backend(requested, self.attn_spec)
         logger.info("attention backend %s (%s)", self.backend.name, decided_by)
@@ -114,11 +119,6 @@ class Worker:
                            extra=dict(config.plugin_options))
         if self.device.type == "cpu":
             logger.info("CPU threads: %s", cpu_threads.apply(envs.get("PAGEDLLM_CPU_OMP_THREADS_BIND")))
-        self.matmul_precision = "highest"
-        if self.dtype == torch.float32:
-            self.matmul_precision, why = precision.resolve(
-                envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION"), config.model.dtype, quant is not None)
-            logger.info("float32 matmul precision %s (%s)", self.matmul_precision, why)
         start = time.perf_counter()
         with precision.matmul_precision(self.matmul_precision):
             with torch.device(self.device):

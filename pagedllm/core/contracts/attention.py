@@ -66,6 +66,10 @@ class AttentionSpec:
     kv_cache_dtype: str  # "auto" | "fp8" | "fp8_e4m3" | "fp8_e5m2"
     block_size: int
     device: torch.device
+    # how float32 matmuls may round their inputs (core/precision.py): under "medium" a
+    # backend may keep an "auto" cache of a float32 model in bf16 (attention's two
+    # products then take bf16 keys and values, as the GEMMs take bf16 weights)
+    matmul_precision: str = "highest"
 
     def __post_init__(self) -> None:
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
@@ -165,9 +169,11 @@ class AttentionBackend(ABC):
     @classmethod
     def kv_cache_dtype(cls, spec: AttentionSpec) -> torch.dtype:
         """The element type this backend keeps the cache in: by default the model dtype, or
-        the FP8 kind `spec.kv_cache_dtype` names. A backend whose kernels are faster and
-        exact in a wider type may keep that for "auto" (CPU_ATTN keeps float32 under a
-        bf16 model); q, k and v still arrive, and the output must leave, in spec.dtype."""
+        the FP8 kind `spec.kv_cache_dtype` names. For "auto" a backend may pick another
+        type its kernels serve better, as long as it is exact for spec.dtype or allowed by
+        spec.matmul_precision (CPU_ATTN: bf16 for a bf16 model, or a float32 one under
+        "medium", where its kernels have a bf16 path; float32 otherwise); q, k and v still
+        arrive, and the output must leave, in spec.dtype."""
         return kv_cache_torch_dtype(spec.kv_cache_dtype, spec.dtype)
 
     @classmethod

@@ -40,7 +40,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 3  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 4  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
@@ -65,6 +65,10 @@ _SIGNATURES = {
     "pd_paged_attention": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
                                   _f32, _i64, _f32]),
     "pd_gather_rows": (_i32, [_p, _i64, _i64, _p, _i64, _p]),
+    "pd_write_kv_bf16": (None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
+    "pd_paged_attention_bf16": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
+                                       _f32, _i64, _f32]),
+    "pd_has_bf16_kv": (_i32, []),
     "pd_has_amx": (_i32, []),
     "pd_amx_packed_size": (_i64, [_i64, _i64]),
     "pd_amx_pack": (None, [_p, _i64, _i64, _p]),
@@ -415,16 +419,33 @@ def silu_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def bf16_kv_available() -> bool:
+    """True where the library has the bf16-cache kernels (its 512-bit path: AVX-512 CPUs)."""
+    lib = kernels()
+    return lib is not None and bool(lib.pd_has_bf16_kv())
+
+
+_CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _cache_dtype(key_cache: torch.Tensor, value_cache: torch.Tensor) -> torch.dtype:
+    if key_cache.dtype not in _CACHE_DTYPES or value_cache.dtype != key_cache.dtype:
+        raise ValueError(f"caches: expected both float32 or both bf16, got {key_cache.dtype} and {value_cache.dtype}")
+    return key_cache.dtype
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
              slots: torch.Tensor) -> None:
-    """Store k, v [T, kvh, D] (token stride free, rows contiguous) at cache `slots` [T] int64."""
+    """Store float32 k, v [T, kvh, D] (token stride free, rows contiguous) at cache `slots`
+    [T] int64; a bf16 cache gets each value rounded to the nearest bf16."""
     t, kvh, d = k.shape
     for name, x in (("k", k), ("v", v)):
         if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
             raise ValueError(f"{name}: expected float32 [T, kvh, D] with contiguous rows")
-    _lib().pd_write_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0),
-                       _ptr(key_cache, "key_cache", torch.float32), _ptr(value_cache, "value_cache", torch.float32),
-                       _ptr(slots, "slots", torch.int64), t, kvh * d)
+    dtype = _cache_dtype(key_cache, value_cache)
+    fn = _lib().pd_write_kv if dtype == torch.float32 else _lib().pd_write_kv_bf16
+    fn(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), _ptr(key_cache, "key_cache", dtype),
+       _ptr(value_cache, "value_cache", dtype), _ptr(slots, "slots", torch.int64), t, kvh * d)
 
 
 def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -432,7 +453,8 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
                     scale: float, window: int, soft_cap: float) -> None:
     """out[rows] = attention of q[rows] over the paged cache (see pd_paged_attention).
 
-    q [T, H, D] with contiguous rows (token stride free); caches [blocks, block_size, kvh, D];
+    q [T, H, D] float32 with contiguous rows (token stride free); caches [blocks,
+    block_size, kvh, D] float32, or bf16 where `bf16_kv_available()` and D % 16 == 0;
     block_tables [R, max_blocks], seq_lens [R], query_start [R + 1], row_start [R] int32.
     """
     _, h, d = q.shape
@@ -443,15 +465,19 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
     _, block_size, kvh, _ = key_cache.shape
     if block_tables.dim() != 2:
         raise ValueError(f"block_tables: expected [R, max_blocks], got {list(block_tables.shape)}")
-    rc = _lib().pd_paged_attention(
-        q.data_ptr(), q.stride(0), _ptr(key_cache, "key_cache", torch.float32),
-        _ptr(value_cache, "value_cache", torch.float32), _ptr(block_tables, "block_tables", torch.int32),
+    dtype = _cache_dtype(key_cache, value_cache)
+    fn = _lib().pd_paged_attention if dtype == torch.float32 else _lib().pd_paged_attention_bf16
+    rc = fn(
+        q.data_ptr(), q.stride(0), _ptr(key_cache, "key_cache", dtype),
+        _ptr(value_cache, "value_cache", dtype), _ptr(block_tables, "block_tables", torch.int32),
         block_tables.stride(0), _ptr(seq_lens, "seq_lens", torch.int32), _ptr(query_start, "query_start", torch.int32),
         _ptr(row_start, "row_start", torch.int32), seq_lens.shape[0], _ptr(out, "out", torch.float32), h, kvh, d,
         block_size, scale, window, soft_cap)
     if rc == PD_ERANGE:
         raise ValueError(f"paged_attention: a seq_len is longer than its block-table row "
                          f"({block_tables.shape[1]} blocks of {block_size}) or shorter than its query")
+    if rc == PD_EINVAL:
+        raise ValueError(f"paged_attention: no bf16-cache kernel for head size {d} here (see bf16_kv_available)")
     if rc != PD_OK:
         raise MemoryError("pd_paged_attention: could not allocate the per-thread score rows")
 

@@ -6,11 +6,15 @@ Here the C kernel (ops/cpu/csrc) walks each request's block table and reads keys
 and values in place, for decodes and for prefill chunks up to `NATIVE_MAX_QUERY_LEN`
 tokens; longer chunks go through the reference path, where torch's fused SDPA wins.
 Same cache layout as TORCH: [2, num_blocks, block_size, num_kv_heads, head_size].
-The cache and the kernels are float32. A bf16 model keeps its cache in float32 too
-(`kv_cache_dtype`): q, k and v are widened on the way in and the output rounded back, which
-costs two conversions per layer instead of TORCH's per-layer gather of every block, and
-keeps the attention itself exact. No FP8 cache and no float16: `check()` refuses them,
-so auto-selection falls back to TORCH.
+The kernels compute in float32. The cache is bf16 where that is exact (a bf16 model) or
+allowed (a float32 model under "medium" matmul precision, core/precision.py: the GGUF
+default) and the kernels have their bf16 path (AVX-512 CPUs with native bf16): a decode
+step's attention is bound by the bytes of cache it reads, and bf16 halves them (and
+doubles the tokens a cache budget holds). Elsewhere the cache is float32, for bf16
+models too (`kv_cache_dtype`). q, k and v of a bf16 model are widened on the way in and
+the output rounded back, two conversions per layer instead of TORCH's per-layer gather of
+every block. No FP8 cache and no float16: `check()` refuses them, so auto-selection falls
+back to TORCH.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from pagedllm.core.contracts import (
     GraphSupport,
 )
 from pagedllm.plugins.attention.torch_ref import AttentionGroup, TorchAttentionImpl, _group
-from pagedllm.ops.cpu import native
+from pagedllm.ops.cpu import features, native
 
 # Query chunks longer than this attend through torch's SDPA (see the module doc).
 NATIVE_MAX_QUERY_LEN = 256
@@ -119,7 +123,13 @@ class CpuAttnBackend(AttentionBackend):
 
     @classmethod
     def kv_cache_dtype(cls, spec: AttentionSpec) -> torch.dtype:
-        return torch.float32  # the kernels' type, for float32 and bf16 models alike (check() refuses FP8)
+        """bf16 where it is exact (a bf16 model) or allowed ("medium" precision) and the
+        kernels have the bf16 path (AVX-512, head size a multiple of 16, a CPU with native
+        bf16 so the GEMMs around it are bf16 too); float32 otherwise (check() refuses FP8)."""
+        allowed = spec.dtype == torch.bfloat16 or (spec.dtype == torch.float32 and spec.matmul_precision == "medium")
+        if allowed and spec.head_size % 16 == 0 and features.detect().native_bf16 and native.bf16_kv_available():
+            return torch.bfloat16
+        return torch.float32
 
     @classmethod
     def builder_cls(cls):

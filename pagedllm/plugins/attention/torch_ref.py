@@ -91,7 +91,7 @@ class TorchAttentionImpl(AttentionImpl):
         x = cache[blocks].flatten(1, 2)
         if cache.dtype in KV_CACHE_TORCH_DTYPES.values():
             return x.to(torch.float32).mul_(scale).to(dtype)
-        return x
+        return x if x.dtype == dtype else x.to(dtype)  # e.g. CPU_ATTN's bf16 cache under float32 queries
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q [B, Q, H, D], k/v [B, K, KVH, D], mask [B, Q, K] (True = attend) -> [B, Q, H, D].

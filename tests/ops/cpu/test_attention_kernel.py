@@ -4,6 +4,8 @@ float64 gather-then-softmax. Every test runs on both builds (conftest.py)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -228,3 +230,64 @@ def test_paged_attention_rejects_bad_lengths_and_layouts():
         call(out=torch.empty(case.num_tokens, 16, 2).transpose(1, 2))  # not contiguous
     with pytest.raises(ValueError, match="^out:"):
         call(out=torch.empty(case.num_tokens, 2, 16, dtype=torch.float64))
+
+
+# ------------------------------------------------------------------ bf16 cache
+
+def needs_bf16_kv(test):
+    """Run `test` only on a build with the bf16-cache kernels (asked at run time: the
+    portable build has none)."""
+    def run(*args, **kwargs):
+        if not native.bf16_kv_available():
+            pytest.skip("no bf16-cache kernels in this build")
+        return test(*args, **kwargs)
+    return functools.wraps(test)(run)
+
+
+@needs_bf16_kv
+def test_write_kv_rounds_into_a_bf16_cache():
+    gen = torch.Generator().manual_seed(12)
+    t, kvh, d, num_blocks, bs = 7, 2, 32, 4, 16
+    k, v = torch.randn(t, kvh, d, generator=gen), torch.randn(t, kvh, d, generator=gen)
+    key_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).bfloat16()
+    value_cache = torch.randn(num_blocks, bs, kvh, d, generator=gen).bfloat16()
+    slots = torch.randperm(num_blocks * bs, generator=gen)[:t]
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    expected_k.view(-1, kvh, d)[slots] = k.bfloat16()
+    expected_v.view(-1, kvh, d)[slots] = v.bfloat16()
+    native.write_kv(k, v, key_cache, value_cache, slots)
+    assert torch.equal(key_cache, expected_k), "write_kv: bf16 keys not torch's rounding at their slots"
+    assert torch.equal(value_cache, expected_v), "write_kv: bf16 values not torch's rounding at their slots"
+
+
+@needs_bf16_kv
+@pytest.mark.parametrize("group, head_size, option", [(3, 64, "plain"), (1, 128, "window"), (4, 16, "soft-cap"),
+                                                      (2, 80, "window-and-cap")])
+def test_paged_attention_on_a_bf16_cache(group, head_size, option):
+    """A bf16 cache attends exactly as float32 would over the same (bf16) values: the
+    kernel widens each value as it loads and computes the rest in float32."""
+    options = dict(ATTN_OPTIONS[option])
+    sharp = options.pop("sharp", False)
+    case = PagedCase(MIXED, group * 2, 2, head_size, 16, seed=head_size + group)
+    case.key_cache, case.value_cache = case.key_cache.bfloat16(), case.value_cache.bfloat16()
+    scale = 1.0 if sharp else head_size**-0.5
+    out = torch.full((case.num_tokens, case.h, case.d), float("nan"))
+    case.run(list(range(len(MIXED))), out, scale, **options)
+    for r, (cached, new) in enumerate(MIXED):
+        expected = case.reference(r, scale, **options)  # float64 over the bf16 values
+        assert_close_to(out[case.rows(r)], expected, 1e-5 + 1e-5 * expected.abs(),
+                        f"bf16 cache: request {r} (cached {cached}, new {new}), G={group} D={head_size} {option}")
+
+
+@needs_bf16_kv
+def test_bf16_cache_needs_a_head_size_of_16s():
+    case = PagedCase([(3, 2)], 2, 1, 24, 16, seed=2)
+    out = torch.empty(case.num_tokens, 2, 24)
+    with pytest.raises(ValueError, match="no bf16-cache kernel for head size 24"):
+        native.paged_attention(case.q, case.key_cache.bfloat16(), case.value_cache.bfloat16(), case.block_tables,
+                               case.seq_lens, torch.tensor([0, 2], dtype=torch.int32),
+                               torch.tensor([0], dtype=torch.int32), out, 0.25, 0, 0.0)
+    with pytest.raises(ValueError, match="both float32 or both bf16"):
+        native.paged_attention(case.q, case.key_cache.bfloat16(), case.value_cache, case.block_tables,
+                               case.seq_lens, torch.tensor([0, 2], dtype=torch.int32),
+                               torch.tensor([0], dtype=torch.int32), out, 0.25, 0, 0.0)

@@ -18,9 +18,11 @@ from pagedllm.core.plugins import get_registry
 from pagedllm.plugins.attention import cpu_attn
 from pagedllm.plugins.attention.cpu_attn import CpuAttnBackend
 from pagedllm.plugins.attention.torch_ref import TorchBackend
-from pagedllm.ops.cpu import native
+from pagedllm.ops.cpu import features, native
 
 TOLERANCE = 1e-5
+# where CPU_ATTN keeps a bf16 cache when allowed (its kernels' 512-bit path, native bf16)
+BF16_CACHE_HERE = native.available() and native.bf16_kv_available() and features.detect().native_bf16
 
 needs_native = pytest.mark.skipif(not native.available(),
                                   reason="native CPU kernels unavailable (no C compiler or PAGEDLLM_CPU_KERNELS=0)")
@@ -187,8 +189,13 @@ def test_auto_selection_on_the_cpu():
     assert registry.attention_backend(None, spec()) is CpuAttnBackend, "float32 on the CPU should pick CPU_ATTN"
     assert registry.attention_backend("cpu_attn", spec()) is CpuAttnBackend
     assert registry.attention_backend(None, spec(dtype=torch.bfloat16)) is CpuAttnBackend
-    assert CpuAttnBackend.kv_cache_dtype(spec(dtype=torch.bfloat16)) == torch.float32
     assert TorchBackend.kv_cache_dtype(spec(dtype=torch.bfloat16)) == torch.bfloat16
+    # the cache dtype: bf16 where exact or allowed and the kernels have it, else float32
+    bf16_here = torch.bfloat16 if BF16_CACHE_HERE else torch.float32
+    assert CpuAttnBackend.kv_cache_dtype(spec(dtype=torch.bfloat16)) == bf16_here
+    assert CpuAttnBackend.kv_cache_dtype(spec(matmul_precision="medium")) == bf16_here
+    assert CpuAttnBackend.kv_cache_dtype(spec()) == torch.float32, "a float32 model at highest precision"
+    assert CpuAttnBackend.kv_cache_dtype(spec(matmul_precision="medium", head_size=20)) == torch.float32
     # what CPU_ATTN refuses goes to TORCH
     assert registry.attention_backend(None, spec(dtype=torch.float16)) is TorchBackend
     assert registry.attention_backend(None, spec(kv_cache_dtype="fp8")) is TorchBackend
@@ -253,18 +260,23 @@ BF16_LOGPROB_ATOL = 0.1
 
 
 @needs_native
-def test_bf16_model_attends_on_a_float32_cache(tiny_model_dir):
-    """A bf16 model on CPU_ATTN (float32 cache, bf16 in and out) against transformers in
-    bf16, teacher-forced on our tokens: each logprob within BF16_LOGPROB_ATOL, and each
-    greedy token within that of transformers' best (tiny random models have near-ties
-    that bf16 rounding may break either way, so token equality would test the noise)."""
+@pytest.mark.parametrize("cache", ["bf16-where-available", "float32"])
+def test_bf16_model_on_cpu_attn(tiny_model_dir, monkeypatch, cache):
+    """A bf16 model on CPU_ATTN (bf16 cache where the kernels have one, which is exact for
+    bf16 keys; else float32; bf16 in and out) against transformers in bf16,
+    teacher-forced on our tokens: each logprob within BF16_LOGPROB_ATOL, and each greedy
+    token within that of transformers' best (tiny random models have near-ties that bf16
+    rounding may break either way, so token equality would test the noise)."""
     from transformers import AutoModelForCausalLM
 
+    if cache == "float32":
+        monkeypatch.setattr(native, "bf16_kv_available", lambda: False)
+    expected_dtype = torch.bfloat16 if cache != "float32" and BF16_CACHE_HERE else torch.float32
     model_dir = tiny_model_dir("llama")
     llm, got = generate(model_dir, dtype="bfloat16")
     worker = llm.engine.worker
-    assert worker.backend.name == "CPU_ATTN" and worker.kv_dtype == torch.float32
-    assert all(c.dtype == torch.float32 for c in worker.kv_caches)
+    assert worker.backend.name == "CPU_ATTN" and worker.kv_dtype == expected_dtype
+    assert all(c.dtype == expected_dtype for c in worker.kv_caches)
     hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).eval()
     for i, (prompt, out) in enumerate(zip(PROMPTS, got)):
         tokens = out.outputs[0].token_ids
@@ -276,3 +288,29 @@ def test_bf16_model_attends_on_a_float32_cache(tiny_model_dir):
                 f"prompt {i} step {step}: logprob {row[token]} vs transformers bf16 {expected[step, token].item()}"
             assert expected[step].max().item() - expected[step, token].item() <= BF16_LOGPROB_ATOL, \
                 f"prompt {i} step {step}: greedy token {token} is not transformers' best"
+
+
+@needs_native
+@pytest.mark.skipif(not BF16_CACHE_HERE, reason="no bf16-cache kernels or native bf16 on this CPU")
+def test_medium_precision_keeps_a_bf16_cache(tiny_model_dir, monkeypatch):
+    """A float32 model under "medium" matmul precision (the GGUF default) keeps a bf16
+    cache: logprobs within BF16_LOGPROB_ATOL of the float32-cache run, the same greedy
+    tokens wherever float32 had a clear best (a margin above that tolerance)."""
+    monkeypatch.setenv("PAGEDLLM_FLOAT32_MATMUL_PRECISION", "medium")
+    model_dir = tiny_model_dir("llama")
+    llm, got = generate(model_dir)
+    worker = llm.engine.worker
+    assert worker.matmul_precision == "medium" and worker.kv_dtype == torch.bfloat16
+    monkeypatch.setattr(native, "bf16_kv_available", lambda: False)
+    ref_llm, expected = generate(model_dir)
+    assert ref_llm.engine.worker.kv_dtype == torch.float32
+    for i, (out, ref) in enumerate(zip(got, expected)):
+        for step, (row, ref_row) in enumerate(zip(logprob_rows(out), logprob_rows(ref))):
+            token, ref_token = out.outputs[0].token_ids[step], ref.outputs[0].token_ids[step]
+            if token != ref_token:
+                ranked = sorted(ref_row.values(), reverse=True)
+                assert len(ranked) > 1 and ranked[0] - ranked[1] <= BF16_LOGPROB_ATOL, \
+                    f"prompt {i} step {step}: token {token} vs {ref_token} where float32 had a clear best"
+                break  # the continuations differ from here on
+            assert row[token] == pytest.approx(ref_row[token], abs=BF16_LOGPROB_ATOL), \
+                f"prompt {i} step {step}: logprob {row[token]} vs float32 cache {ref_row[token]}"

@@ -146,7 +146,8 @@ def test_smollm2_keep_quantized_matches_dequantized(chat_prompts, greedy_outputs
     """Same float32 weights, dequantized per call instead of once: same greedy tokens,
     logprobs within LOGPROB_ATOL; weights take a third of the memory. Every step
     dequantizes all linear weights, so this compares the first KEEP_TOKENS tokens."""
-    llm = LLM(kv_cache_memory=KV_BYTES, max_model_len=1024, plugin_options={"gguf_keep_quantized": True})
+    llm = LLM(kv_cache_memory=KV_BYTES, max_model_len=1024, dtype="float32",  # as the reference: float32 throughout
+              plugin_options={"gguf_keep_quantized": True})
     model = llm.engine.worker.model
     qkv = model.model.layers[0].self_attn.qkv_proj
     assert qkv.qweight.dtype == torch.uint8 and not hasattr(qkv, "weight"), "keep-quantized kept a dense copy"

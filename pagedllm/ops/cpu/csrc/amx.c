@@ -68,14 +68,6 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
-/* float32 -> bf16, round to nearest even (NaN stays NaN) */
-static inline uint16_t bf16_round(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-
 /* rows [0, M) of x (row stride ldx; float32, or bf16 when x_bf16) -> bf16 [Mp][Kp],
  * zero-padded to the tile grid */
 static void amx_pack_x(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
@@ -89,9 +81,8 @@ static void amx_pack_x(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
             k = K;
         } else if (i < M) {
             const float *src = (const float *)x + i * ldx;
-            for (; k + 16 <= K; k += 16)
-                _mm256_storeu_si256((__m256i *)(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
-            for (; k < K; k++) dst[k] = bf16_round(src[k]);
+            pd_bf16_round_row(src, dst, K);
+            k = K;
         }
         for (; k < Kp; k++) dst[k] = 0;
     }
@@ -146,7 +137,7 @@ static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n
                 _mm256_storeu_si256((__m256i *)dst, (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c)));
                 _mm256_storeu_si256((__m256i *)(dst + 16), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(c + 16)));
             } else {
-                for (int64_t j = 0; j < cols; j++) dst[j] = bf16_round(c[j]);
+                for (int64_t j = 0; j < cols; j++) dst[j] = pd_bf16_round(c[j]);
             }
         } else {
             float *dst = (float *)y + (m0 + r) * ldy + n0;
@@ -182,7 +173,7 @@ void pd_amx_pack(const float *w, int64_t N, int64_t K, uint16_t *wp) {
                 for (int n = 0; n < 16; n++)
                     for (int e = 0; e < 2; e++) {
                         int64_t row = nb * 16 + n, k = kb * 32 + 2 * r + e;
-                        tile[r * 32 + n * 2 + e] = row < N && k < K ? bf16_round(w[row * K + k]) : 0;
+                        tile[r * 32 + n * 2 + e] = row < N && k < K ? pd_bf16_round(w[row * K + k]) : 0;
                     }
         }
 #else

@@ -1,10 +1,13 @@
 /* The paged KV cache: store new tokens' keys and values at their slots (pd_write_kv) and
- * attend over the cache without gathering it (pd_paged_attention). */
+ * attend over the cache without gathering it (pd_paged_attention). A bf16 cache
+ * (pd_write_kv_bf16, pd_paged_attention_bf16; where the 512-bit path is built) halves the
+ * bytes a decode step reads, which bound the float32 kernel: values are widened to
+ * float32 as they load, and everything after is the float32 computation. */
 #include "pd_kernels.h"
 
 /* ------------------------------------------------------------------ paged KV cache
  * Cache layout (one layer): key_cache and value_cache each [num_blocks, block_size,
- * num_kv_heads, head_size] float32, token slot s = block * block_size + offset.
+ * num_kv_heads, head_size] float32 (or bf16), token slot s = block * block_size + offset.
  */
 
 /* Copy T new tokens' keys/values ([T, kvh * D] rows, given strides) to their slots. */
@@ -13,6 +16,15 @@ void pd_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_str
     for (int64_t t = 0; t < T; t++) {
         memcpy(key_cache + slots[t] * row, k + t * k_stride, (size_t)row * sizeof(float));
         memcpy(value_cache + slots[t] * row, v + t * v_stride, (size_t)row * sizeof(float));
+    }
+}
+
+/* The same for a bf16 cache: each value rounded to the nearest bf16 (ties to even). */
+void pd_write_kv_bf16(const float *k, int64_t k_stride, const float *v, int64_t v_stride, uint16_t *key_cache,
+                      uint16_t *value_cache, const int64_t *slots, int64_t T, int64_t row) {
+    for (int64_t t = 0; t < T; t++) {
+        pd_bf16_round_row(k + t * k_stride, key_cache + slots[t] * row, row);
+        pd_bf16_round_row(v + t * v_stride, value_cache + slots[t] * row, row);
     }
 }
 
@@ -124,22 +136,43 @@ static inline __attribute__((always_inline)) void weighted_sum32_avx2(int heads,
 
 #if PD_AVX512
 /* One work item of pd_paged_attention with 512-bit vectors (D a multiple of 16): the G
- * query heads at qt against n keys and values (row pointers krow, vrow), scores in
- * scores[g * ld + j], output at ot[g * D]. Same steps as the AVX2 path; keys are scored
- * eight at a time for two heads per pass, values summed for up to four heads. */
+ * query heads at qt against n keys and values (row pointers krow, vrow: float32 rows, or
+ * bf16 rows where kv_bf16), scores in scores[g * ld + j], output at ot[g * D]. Same steps
+ * as the AVX2 path; keys are scored eight at a time for two heads per pass, values
+ * summed for up to four heads. kv_bf16 is a constant at every call (always_inline). */
 static inline __m512 exp_avx512(__m512 x) {
     return _mm512_insertf32x8(_mm512_castps256_ps512(exp_avx2(_mm512_castps512_ps256(x))),
                               exp_avx2(_mm512_extractf32x8_ps(x, 1)), 1);
 }
 
-static inline __attribute__((always_inline)) void score8_avx512(int heads, const float *q, int64_t D,
-                                                                const float *const *k, float *s, int64_t ld) {
+/* 16 cache values from element d of a row, widened to float32 (bf16 -> float32 is exact) */
+static inline __attribute__((always_inline)) __m512 kv_load16(const void *row, int64_t d, int kv_bf16) {
+    if (kv_bf16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d))), 16));
+    return _mm512_loadu_ps((const float *)row + d);
+}
+
+static inline void prefetch_kv(const void *const *rows, int64_t left, int64_t count, int64_t bytes) {
+    for (int64_t i = 0; i < count && i < left; i++)
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)rows[i] + b, _MM_HINT_T0);
+}
+
+static inline __attribute__((always_inline)) float dot_kv_avx512(const float *q, const void *row, int64_t D,
+                                                                 int kv_bf16) {
+    __m512 a = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), kv_load16(row, d, kv_bf16), a);
+    return _mm512_reduce_add_ps(a);
+}
+
+static inline __attribute__((always_inline)) void score8_avx512(int heads, int kv_bf16, const float *q, int64_t D,
+                                                                const void *const *k, float *s, int64_t ld) {
     __m512 a[16];
     for (int i = 0; i < 8 * heads; i++) a[i] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 16) {
         __m512 q0 = _mm512_loadu_ps(q + d), q1 = heads == 2 ? _mm512_loadu_ps(q + D + d) : q0;
         for (int i = 0; i < 8; i++) {
-            __m512 kv = _mm512_loadu_ps(k[i] + d);
+            __m512 kv = kv_load16(k[i], d, kv_bf16);
             a[i] = _mm512_fmadd_ps(q0, kv, a[i]);
             if (heads == 2) a[8 + i] = _mm512_fmadd_ps(q1, kv, a[8 + i]);
         }
@@ -152,16 +185,16 @@ static inline __attribute__((always_inline)) void score8_avx512(int heads, const
     }
 }
 
-static inline __attribute__((always_inline)) void score_keys_avx512(int heads, const float *q, int64_t D,
-                                                                    const float *const *krow, int64_t n, float *s,
-                                                                    int64_t ld) {
-    int64_t j = 0;
+static inline __attribute__((always_inline)) void score_keys_avx512(int heads, int kv_bf16, const float *q,
+                                                                    int64_t D, const void *const *krow, int64_t n,
+                                                                    float *s, int64_t ld) {
+    int64_t j = 0, bytes = D * (kv_bf16 ? 2 : 4);
     for (; j + 8 <= n; j += 8) {
-        prefetch_rows(krow + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 8, D);
-        score8_avx512(heads, q, D, krow + j, s + j, ld);
+        prefetch_kv(krow + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 8, bytes);
+        score8_avx512(heads, kv_bf16, q, D, krow + j, s + j, ld);
     }
     for (; j < n; j++)
-        for (int h = 0; h < heads; h++) s[h * ld + j] = dot(q + h * D, krow[j], D);
+        for (int h = 0; h < heads; h++) s[h * ld + j] = dot_kv_avx512(q + h * D, krow[j], D, kv_bf16);
 }
 
 /* s[0:n] = softmax(scale * s) (soft_cap > 0: of soft_cap * tanh(scale * s / soft_cap)) */
@@ -197,16 +230,16 @@ static void softmax_row_avx512(float *s, int64_t n, float scale, float soft_cap)
 
 /* For `heads` (1-4) query heads h and `nz` (1 or 4) vectors of 16 dimensions from
  * `off`: out[h * D + off ...] = sum_j p[h * ld + j] * v[j][off ...] */
-static inline __attribute__((always_inline)) void wsum_avx512(int heads, int nz, const float *p, int64_t ld,
-                                                              const float *const *v, int64_t n, int64_t off,
-                                                              int64_t D, float *out) {
+static inline __attribute__((always_inline)) void wsum_avx512(int heads, int nz, int kv_bf16, const float *p,
+                                                              int64_t ld, const void *const *v, int64_t n,
+                                                              int64_t off, int64_t D, float *out) {
     __m512 a[16];
+    int64_t bytes = D * (kv_bf16 ? 2 : 4);
     for (int i = 0; i < heads * nz; i++) a[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        if (off == 0) prefetch_rows(v + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 1, D);
-        const float *vp = v[j] + off;
+        if (off == 0) prefetch_kv(v + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 1, bytes);
         __m512 vz[4];
-        for (int z = 0; z < nz; z++) vz[z] = _mm512_loadu_ps(vp + 16 * z);
+        for (int z = 0; z < nz; z++) vz[z] = kv_load16(v[j], off + 16 * z, kv_bf16);
         for (int h = 0; h < heads; h++) {
             __m512 pj = _mm512_set1_ps(p[h * ld + j]);
             for (int z = 0; z < nz; z++) a[h * nz + z] = _mm512_fmadd_ps(pj, vz[z], a[h * nz + z]);
@@ -218,17 +251,20 @@ static inline __attribute__((always_inline)) void wsum_avx512(int heads, int nz,
 
 #define PD_WSUM_HEADS(nz)                                                                   \
     switch (heads) {                                                                        \
-    case 4: wsum_avx512(4, nz, p, ld, vrow, n, d, D, o); break;                             \
-    case 3: wsum_avx512(3, nz, p, ld, vrow, n, d, D, o); break;                             \
-    case 2: wsum_avx512(2, nz, p, ld, vrow, n, d, D, o); break;                             \
-    default: wsum_avx512(1, nz, p, ld, vrow, n, d, D, o); break;                            \
+    case 4: wsum_avx512(4, nz, kv_bf16, p, ld, vrow, n, d, D, o); break;                    \
+    case 3: wsum_avx512(3, nz, kv_bf16, p, ld, vrow, n, d, D, o); break;                    \
+    case 2: wsum_avx512(2, nz, kv_bf16, p, ld, vrow, n, d, D, o); break;                    \
+    default: wsum_avx512(1, nz, kv_bf16, p, ld, vrow, n, d, D, o); break;                   \
     }
 
-static void attend_avx512(const float *qt, const float *const *krow, const float *const *vrow, int64_t n,
-                          int64_t G, int64_t D, float scale, float soft_cap, float *scores, int64_t ld, float *ot) {
+static inline __attribute__((always_inline)) void attend_avx512(int kv_bf16, const float *qt,
+                                                                const void *const *krow, const void *const *vrow,
+                                                                int64_t n, int64_t G, int64_t D, float scale,
+                                                                float soft_cap, float *scores, int64_t ld,
+                                                                float *ot) {
     int64_t g = 0;
-    for (; g + 2 <= G; g += 2) score_keys_avx512(2, qt + g * D, D, krow, n, scores + g * ld, ld);
-    if (g < G) score_keys_avx512(1, qt + g * D, D, krow, n, scores + g * ld, ld);
+    for (; g + 2 <= G; g += 2) score_keys_avx512(2, kv_bf16, qt + g * D, D, krow, n, scores + g * ld, ld);
+    if (g < G) score_keys_avx512(1, kv_bf16, qt + g * D, D, krow, n, scores + g * ld, ld);
     for (g = 0; g < G; g++) softmax_row_avx512(scores + g * ld, n, scale, soft_cap);
     int64_t step = D % 64 == 0 ? 64 : 16;
     for (int64_t d = 0; d < D; d += step)
@@ -246,10 +282,12 @@ static void attend_avx512(const float *qt, const float *const *krow, const float
 #undef PD_WSUM_HEADS
 #endif
 
-int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
-                       const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
-                       const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out, int64_t H,
-                       int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float soft_cap) {
+static int paged_attention(const float *q, int64_t q_stride, const void *key_cache, const void *value_cache,
+                           int kv_bf16, const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                           const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out,
+                           int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window,
+                           float soft_cap) {
+    int64_t esize = kv_bf16 ? 2 : 4;
     /* max_seq_len sizes the scratch rows (at least 1: no malloc of 0 bytes) */
     int64_t T = query_start[num_reqs], G = H / KVH, row = KVH * D, max_seq_len = 1;
     /* every length must fit its block-table row (bt_stride blocks) and cover its queries */
@@ -281,17 +319,23 @@ int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache,
             int64_t pos = seq_lens[r] - q_len + i, qrow = row_start[r] + i;
             int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, n = pos + 1 - start;
             const int32_t *bt = block_tables + r * bt_stride;
-            const float **krow = (const float **)(scores + G * max_seq_len), **vrow = krow + max_seq_len;
+            const void **kptr = (const void **)(scores + G * max_seq_len), **vptr = kptr + max_seq_len;
             for (int64_t j = 0; j < n; j++) {
                 int64_t p = start + j, slot = (int64_t)bt[p / block_size] * block_size + p % block_size;
-                krow[j] = key_cache + slot * row + kh * D;
-                vrow[j] = value_cache + slot * row + kh * D;
+                kptr[j] = (const char *)key_cache + (slot * row + kh * D) * esize;
+                vptr[j] = (const char *)value_cache + (slot * row + kh * D) * esize;
             }
+            /* the float32 paths below read these as float rows (a bf16 cache never gets there) */
+            const float *const *krow = (const float *const *)kptr, *const *vrow = (const float *const *)vptr;
             const float *qt = q + qrow * q_stride + kh * G * D; /* this kv head's G query heads */
             float *ot = out + (qrow * H + kh * G) * D;
 #if PD_AVX512
+            if (kv_bf16) {
+                attend_avx512(1, qt, kptr, vptr, n, G, D, scale, soft_cap, scores, max_seq_len, ot);
+                continue;
+            }
             if (D % 16 == 0) {
-                attend_avx512(qt, krow, vrow, n, G, D, scale, soft_cap, scores, max_seq_len, ot);
+                attend_avx512(0, qt, kptr, vptr, n, G, D, scale, soft_cap, scores, max_seq_len, ot);
                 continue;
             }
 #endif
@@ -361,3 +405,25 @@ int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache,
     }
     return failed ? PD_ENOMEM : PD_OK;
 }
+
+int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+                       const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                       const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out, int64_t H,
+                       int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float soft_cap) {
+    return paged_attention(q, q_stride, key_cache, value_cache, 0, block_tables, bt_stride, seq_lens, query_start,
+                           row_start, num_reqs, out, H, KVH, D, block_size, scale, window, soft_cap);
+}
+
+/* pd_paged_attention over a bf16 cache (written by pd_write_kv_bf16); PD_EINVAL where this
+ * build has no 512-bit path or D is not a multiple of 16 (pd_has_bf16_kv says which). */
+int pd_paged_attention_bf16(const float *q, int64_t q_stride, const uint16_t *key_cache, const uint16_t *value_cache,
+                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                            const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out,
+                            int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window,
+                            float soft_cap) {
+    if (!PD_AVX512 || D % 16) return PD_EINVAL;
+    return paged_attention(q, q_stride, key_cache, value_cache, 1, block_tables, bt_stride, seq_lens, query_start,
+                           row_start, num_reqs, out, H, KVH, D, block_size, scale, window, soft_cap);
+}
+
+int pd_has_bf16_kv(void) { return PD_AVX512; }

@@ -4,7 +4,8 @@
  *   quant.c        ggml-quantized weights: pd_repack, pd_linear_packed, pd_dequantize
  *   sgemm.c        dense float32 linear: pd_sgemm_pack, pd_sgemm
  *   elementwise.c  pd_rms_norm, pd_silu_mul, pd_rope_neox, pd_gather_rows
- *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention
+ *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention (+ _bf16 variants,
+ *                  pd_has_bf16_kv)
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear
  *
  * Why C and not torch ops: on a CPU, a decode step of a small model is dominated by
@@ -50,7 +51,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 3
+#define PD_ABI_VERSION 4
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
@@ -69,6 +70,23 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 #endif
+
+/* float32 -> bf16, round to nearest even (NaN stays NaN): torch's .to(torch.bfloat16) */
+static inline uint16_t pd_bf16_round(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline void pd_bf16_round_row(const float *src, uint16_t *dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++) dst[i] = pd_bf16_round(src[i]);
+}
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     int64_t i = 0;
