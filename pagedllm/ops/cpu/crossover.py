@@ -23,8 +23,7 @@ from typing import Callable
 
 import torch
 
-from pagedllm.core import envs
-from pagedllm.ops.cpu import features
+from pagedllm.ops.cpu import features, native
 
 logger = logging.getLogger("pagedllm")
 
@@ -43,24 +42,16 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 # hot, a bf16 weight 4x the bytes of the 4-bit one measured faster at one row on a 2-core
 # Sapphire Rapids and ran single-stream decode 20% slower.
 EVICT_BYTES = 16 << 20
-_evict_buffer: torch.Tensor | None = None
 
 
-def _evict() -> None:
-    global _evict_buffer
-    if _evict_buffer is None:
-        _evict_buffer = torch.empty(EVICT_BYTES, dtype=torch.uint8)
-    _evict_buffer.fill_(1)
-
-
-def _best_time(fn: Kernel, x: torch.Tensor, budget_s: float) -> float:
+def _best_time(fn: Kernel, x: torch.Tensor, budget_s: float, evict: torch.Tensor) -> float:
     """The fastest of a few calls (after one warm-up), within about `budget_s`, each after
-    the caches were filled with other data (`_evict`)."""
+    the caches were filled with other data (writing `evict`)."""
     fn(x)
     best = float("inf")
     spent, calls = 0.0, 0
     while calls < 3 or (spent < budget_s and calls < 20):
-        _evict()
+        evict.fill_(1)
         start = time.perf_counter()
         fn(x)
         took = time.perf_counter() - start
@@ -74,10 +65,11 @@ def measure(small: Kernel, large: Kernel, k: int, candidates: tuple[int, ...] = 
     candidates in a row (or at the last one), NEVER if it never is; both kernels take a
     float32 [rows, k] input."""
     gen = torch.Generator().manual_seed(0)
+    evict = torch.empty(EVICT_BYTES, dtype=torch.uint8)  # freed once measured
     won = []
     for rows in candidates:
         x = torch.randn(rows, k, generator=gen)
-        won.append(_best_time(large, x, budget_s) < _best_time(small, x, budget_s))
+        won.append(_best_time(large, x, budget_s, evict) < _best_time(small, x, budget_s, evict))
         if len(won) >= 2 and won[-1] and won[-2]:
             return candidates[len(won) - 2]
     if won and won[-1]:
@@ -86,8 +78,7 @@ def measure(small: Kernel, large: Kernel, k: int, candidates: tuple[int, ...] = 
 
 
 def _cache_file() -> Path:
-    root = Path(envs.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
-    return root / "crossovers.json"
+    return native.cache_dir() / "crossovers.json"
 
 
 def _machine_key() -> str:

@@ -93,8 +93,13 @@ def _library_path(compiler: str) -> Path:
         key.update(data)
     for part in (" ".join(FLAGS).encode(), compiler.encode(), _cpu_fingerprint().encode()):
         key.update(part)
-    root = Path(envs.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
-    return root / "native" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    return cache_dir() / "native" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+
+
+def cache_dir() -> Path:
+    """Where pagedllm keeps what it builds and measures per machine: `PAGEDLLM_CACHE_DIR`,
+    default ~/.cache/pagedllm (this library, crossover.py's measurements)."""
+    return Path(envs.get("PAGEDLLM_CACHE_DIR") or Path.home() / ".cache" / "pagedllm")
 
 
 def _build(compiler: str, target: Path) -> None:
@@ -297,12 +302,18 @@ def pack_dense(weight: torch.Tensor) -> DenseWeight:
     return DenseWeight(n, k, panels)
 
 
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    """x [..., k] as rows [M, k] the GEMM kernels read (unit column stride, any row
+    stride): x itself when it already is, else a contiguous copy."""
+    return x if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= k else x.reshape(-1, k).contiguous()
+
+
 def dense_linear(x: torch.Tensor, w: DenseWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 @ W^T (+ bias) -> [..., N]."""
     if x.dtype != torch.float32 or x.device.type != "cpu" or x.shape[-1] != w.k:
         raise ValueError(f"x: expected a CPU float32 [..., {w.k}], got {x.device} {x.dtype} {list(x.shape)}")
     lead = x.shape[:-1]
-    x2 = x if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= w.k else x.reshape(-1, w.k).contiguous()
+    x2 = _rows(x, w.k)
     if bias is not None and (bias.dtype != torch.float32 or bias.shape != (w.n,)):
         raise ValueError(f"bias: expected float32 [{w.n}], got {bias.dtype} {list(bias.shape)}")
     b = None if bias is None else _ptr(bias, "bias", torch.float32)
@@ -351,7 +362,7 @@ def amx_linear(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None = None) 
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.shape[-1] != w.k:
         raise ValueError(f"x: expected a CPU float32 or bf16 [..., {w.k}], got {x.device} {x.dtype} {list(x.shape)}")
     lead = x.shape[:-1]
-    x2 = x if x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= w.k else x.reshape(-1, w.k).contiguous()
+    x2 = _rows(x, w.k)
     if bias is not None:
         if bias.shape != (w.n,):
             raise ValueError(f"bias: expected [{w.n}], got {list(bias.shape)}")

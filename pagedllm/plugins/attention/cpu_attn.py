@@ -87,7 +87,7 @@ class CpuMetadataBuilder(AttentionMetadataBuilder):
 class CpuAttentionImpl(TorchAttentionImpl):
     def forward(self, q, k, v, kv_cache, metadata: CpuAttentionMetadata):
         dtype = q.dtype
-        if dtype != torch.float32:  # a bf16 model: the cache and the kernels are float32
+        if dtype != torch.float32:  # a bf16 model: the kernels take float32 q, k and v
             return self.forward(q.float(), k.float(), v.float(), kv_cache, metadata).to(dtype)
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         native.write_kv(k, v, key_cache, value_cache, metadata.slot_mapping)
@@ -116,7 +116,7 @@ class CpuAttnBackend(AttentionBackend):
         if spec.dtype not in (torch.float32, torch.bfloat16):
             reasons.append(f"dtype {spec.dtype} (float32 and bfloat16 only; use TORCH)")
         if spec.kv_cache_dtype != "auto":
-            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} (float32 cache only; use TORCH for FP8)")
+            reasons.append(f"kv_cache_dtype {spec.kv_cache_dtype} (a float32 or bf16 cache only; use TORCH for FP8)")
         if not reasons and not native.available():
             reasons.append("native CPU kernels unavailable (no C compiler, or PAGEDLLM_CPU_KERNELS=0)")
         return reasons

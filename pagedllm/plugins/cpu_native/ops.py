@@ -118,21 +118,22 @@ class PackedDense:
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
         self.packed = dense.prepack(weight)
-        self.bf16: torch.Tensor | None = None
+        self.bf16: native.AmxWeight | torch.Tensor | None = None  # dense.prepack_bf16's layout
         self.bf16_from = crossover.NEVER  # rows from which the bf16 copy serves
         self.kind = "f32"
         if bf16_products_pay():
+            kernel = dense.bf16_kernel()
             self.bf16 = dense.prepack_bf16(weight)
             self.bf16_from = crossover.rows_from(
-                f"dense-f32|{dense.bf16_kernel()}|{n}x{k}", lambda x: dense.linear(x, self.packed, None),
+                f"dense-f32|{kernel}|{n}x{k}", lambda x: dense.linear(x, self.packed, None),
                 lambda x: dense.linear_bf16(x, self.bf16, None), k)
             if self.bf16_from <= 1:
                 self.packed = None
-                self.kind = dense.bf16_kernel()
+                self.kind = kernel
             elif self.bf16_from == crossover.NEVER:
                 self.bf16 = None
             else:
-                self.kind = f"f32<{self.bf16_from}<={dense.bf16_kernel()}"
+                self.kind = f"f32<{self.bf16_from}<={kernel}"
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.bf16 is not None and (self.packed is None or x.numel() >= self.bf16_from * x.shape[-1]):
@@ -145,6 +146,7 @@ class PackedBF16:
     would hand oneDNN the plain weight and repack it on every call."""
 
     owns_copy = True
+
     def __init__(self, weight: torch.Tensor) -> None:
         self.bf16 = dense.prepack_bf16(weight)
         self.kind = dense.bf16_kernel()

@@ -50,7 +50,7 @@ def raw_num_cols(raw: torch.Tensor, qtype: int) -> int:
 # With a dense copy, batches below a measured row count multiply straight from the
 # blocks (crossover.py, once per layer shape at load): streaming 4-bit blocks beats a
 # float32 GEMM for few rows (SmolLM2's shapes on AVX2, 2 threads: 1.3-2.3x at 1-4 rows,
-# about half the GEMM's speed at 32), while oneDNN's bf16 GEMM on AMX wins from 2 rows.
+# about half the GEMM's speed at 32), while on AMX the bf16 GEMM wins from 2-4 rows.
 
 
 def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.device) -> bool:

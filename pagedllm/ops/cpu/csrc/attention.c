@@ -89,9 +89,9 @@ static inline __m256 dot8_avx2(const float *qh, const float *const *k, int64_t D
  * the hardware prefetcher loses the stream at every block boundary: ask for rows a few
  * keys ahead (up to `count` rows of `floats` floats, none past the end). */
 #define PD_PREFETCH_ROWS 32
-static inline void prefetch_rows(const float *const *rows, int64_t left, int64_t count, int64_t floats) {
+static inline void prefetch_rows(const void *const *rows, int64_t left, int64_t count, int64_t bytes) {
     for (int64_t i = 0; i < count && i < left; i++)
-        for (int64_t f = 0; f < floats; f += 16) _mm_prefetch((const char *)(rows[i] + f), _MM_HINT_T0);
+        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)rows[i] + b, _MM_HINT_T0);
 }
 
 /* Scores of two query heads against four keys: [q0.k0..q0.k3 | q1.k0..q1.k3]. */
@@ -117,7 +117,8 @@ static inline __attribute__((always_inline)) void weighted_sum32_avx2(int heads,
     __m256 a[12];
     for (int i = 0; i < 4 * heads; i++) a[i] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        if (off == 0) prefetch_rows(v + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 1, ld);
+        if (off == 0)
+            prefetch_rows((const void *const *)(v + j + PD_PREFETCH_ROWS), n - j - PD_PREFETCH_ROWS, 1, ld * 4);
         const float *vp = v[j] + off;
         __m256 v0 = _mm256_loadu_ps(vp), v1 = _mm256_loadu_ps(vp + 8), v2 = _mm256_loadu_ps(vp + 16),
                v3 = _mm256_loadu_ps(vp + 24);
@@ -153,9 +154,9 @@ static inline __attribute__((always_inline)) __m512 kv_load16(const void *row, i
     return _mm512_loadu_ps((const float *)row + d);
 }
 
-static inline void prefetch_kv(const void *const *rows, int64_t left, int64_t count, int64_t bytes) {
-    for (int64_t i = 0; i < count && i < left; i++)
-        for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char *)rows[i] + b, _MM_HINT_T0);
+/* lanes [0, min(left, 16)) */
+static inline __mmask16 tail_mask16(int64_t left) {
+    return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
 }
 
 static inline __attribute__((always_inline)) float dot_kv_avx512(const float *q, const void *row, int64_t D,
@@ -190,7 +191,7 @@ static inline __attribute__((always_inline)) void score_keys_avx512(int heads, i
                                                                     float *s, int64_t ld) {
     int64_t j = 0, bytes = D * (kv_bf16 ? 2 : 4);
     for (; j + 8 <= n; j += 8) {
-        prefetch_kv(krow + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 8, bytes);
+        prefetch_rows(krow + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 8, bytes);
         score8_avx512(heads, kv_bf16, q, D, krow + j, s + j, ld);
     }
     for (; j < n; j++)
@@ -209,21 +210,21 @@ static void softmax_row_avx512(float *s, int64_t n, float scale, float soft_cap)
     } else {
         __m512 vmax = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < n; j += 16) {
-            __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+            __mmask16 m = tail_mask16(n - j);
             vmax = _mm512_mask_max_ps(vmax, m, vmax, _mm512_maskz_loadu_ps(m, s + j));
         }
         mx = _mm512_reduce_max_ps(vmax) * scale; /* scale > 0 */
     }
     __m512 vscale = _mm512_set1_ps(scale), vmx = _mm512_set1_ps(mx), vsum = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j += 16) {
-        __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __mmask16 m = tail_mask16(n - j);
         __m512 e = exp_avx512(_mm512_fmsub_ps(_mm512_maskz_loadu_ps(m, s + j), vscale, vmx));
         _mm512_mask_storeu_ps(s + j, m, e);
         vsum = _mm512_mask_add_ps(vsum, m, vsum, e);
     }
     __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(vsum));
     for (int64_t j = 0; j < n; j += 16) {
-        __mmask16 m = n - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - j)) - 1);
+        __mmask16 m = tail_mask16(n - j);
         _mm512_mask_storeu_ps(s + j, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, s + j), inv));
     }
 }
@@ -237,7 +238,7 @@ static inline __attribute__((always_inline)) void wsum_avx512(int heads, int nz,
     int64_t bytes = D * (kv_bf16 ? 2 : 4);
     for (int i = 0; i < heads * nz; i++) a[i] = _mm512_setzero_ps();
     for (int64_t j = 0; j < n; j++) {
-        if (off == 0) prefetch_kv(v + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 1, bytes);
+        if (off == 0) prefetch_rows(v + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 1, bytes);
         __m512 vz[4];
         for (int z = 0; z < nz; z++) vz[z] = kv_load16(v[j], off + 16 * z, kv_bf16);
         for (int h = 0; h < heads; h++) {
@@ -347,7 +348,9 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
                     float *s0 = scores + g * max_seq_len, *s1 = s0 + max_seq_len;
                     int64_t j = 0;
                     for (; j + 4 <= n; j += 4) {
-                        if (g == 0) prefetch_rows(krow + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 4, D);
+                        if (g == 0)
+                            prefetch_rows((const void *const *)(krow + j + PD_PREFETCH_ROWS), n - j - PD_PREFETCH_ROWS,
+                                          4, D * 4);
                         __m256 both = dot4x2_avx2(qt + g * D, qt + (g + 1) * D, krow + j, D);
                         _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(both));
                         _mm_storeu_ps(s1 + j, _mm256_extractf128_ps(both, 1));
