@@ -265,6 +265,11 @@ class _Latest:
         return item
 
 
+def _put_all(puts: list[tuple[_Latest, Any]]) -> None:
+    for box, item in puts:
+        box.put(item)
+
+
 class AsyncLLMEngine:
     """Runs `LLMEngine.step()` in one background thread; coroutines stream outputs.
 
@@ -356,10 +361,19 @@ class AsyncLLMEngine:
         self._thread.join(timeout=10)
 
     def _deliver(self, request_id: str, item: Any) -> None:
-        target = self._streams.get(request_id)
-        if target is not None:
-            loop, box = target
-            loop.call_soon_threadsafe(box.put, item)
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, Any]]) -> None:
+        """Hand each item to its stream: one wake-up per event loop for the whole list
+        (a step's outputs), not one per request, since each wake-up is a write to the
+        loop's self-pipe and a turn of the loop, taken on the cores the model runs on."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Latest, Any]]] = {}
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop.setdefault(target[0], []).append((target[1], item))
+        for loop, puts in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, puts)
 
     def _apply_commands(self) -> None:
         while True:
@@ -390,5 +404,4 @@ class AsyncLLMEngine:
                     self.engine.abort(request_id)
                     self._deliver(request_id, RuntimeError(f"engine error: {exc}"))
                 continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+            self._deliver_all([(out.request_id, out) for out in outputs])
