@@ -68,9 +68,12 @@ def pagedllm_quant_methods() -> dict[str, type[QuantConfig]]:
     """Quantization formats by the name used in `quantization_config.quant_method` and
     `--quantization` (e.g. {"fp8": Fp8Config}).
 
-    Returns: {lower-case name: QuantConfig subclass}. Used when a checkpoint's config or
-    the flag names the format: `from_config(quantization_config)` builds it, then its
-    `check(device, dtype)` must find no reason, else start-up fails with the reasons.
+    Returns: {lower-case name: QuantConfig subclass} (its `aliases` select it too). Used
+    when a checkpoint's config or the flag names the format: `from_config(
+    quantization_config, plugin_options)` builds it, then its `check(device, dtype)` must
+    find no reason, else start-up fails with the reasons. A flag naming a format the
+    checkpoint is not saved in is refused unless the class `quantizes_dense` (and the
+    checkpoint is a float one).
     """
 
 

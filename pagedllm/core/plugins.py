@@ -89,14 +89,23 @@ class PluginRegistry:
             f"and exposing it through the {ENTRY_POINT_GROUP!r} entry-point group."
         )
 
-    def quant_config(self, name: str, config: dict[str, Any]) -> QuantConfig:
-        key = name.lower()
-        if key not in self.quant_methods:
-            raise ValueError(
-                f"unknown quantization {name!r}; available here: "
-                f"{', '.join(sorted(self.quant_methods)) or '(none)'}"
-            )
-        return self.quant_methods[key].from_config(config)
+    def quant_class(self, name: str) -> type[QuantConfig]:
+        """The quantizer named `name` (its `name` or one of its vLLM `aliases`,
+        case-insensitive); an unknown name lists the installed ones."""
+        key = name.lower().replace("_", "-")
+        for cls_name, cls in self.quant_methods.items():
+            names = {cls_name, *cls.aliases}
+            if key in {n.lower().replace("_", "-") for n in names}:
+                return cls
+        raise ValueError(
+            f"unknown quantization {name!r}; available here: "
+            f"{', '.join(sorted(self.quant_methods)) or '(none)'}"
+        )
+
+    def quant_config(self, name: str, config: dict[str, Any], options: dict[str, Any] | None = None) -> QuantConfig:
+        """Build the quantizer `name` from a checkpoint's quantization_config and the
+        engine's plugin options (kept apart: see `QuantConfig.from_config`)."""
+        return self.quant_class(name).from_config(dict(config), dict(options or {}))
 
     def spec_method(self, name: str) -> type[SpecProposer]:
         if name not in self.spec_methods:

@@ -23,8 +23,11 @@ from pagedllm.core.contracts import (
     AttentionSpec,
     BatchLayout,
     CausalLM,
+    EmbeddingMethod,
     GraphRunner,
+    LinearMethod,
     ModelContext,
+    QuantConfig,
 )
 from pagedllm.core.loader import ModelSource
 from pagedllm.core.memory import GiB, KVBudget, cpu_kv_bytes, plan_kv_cache
@@ -72,6 +75,40 @@ def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     return torch.frombuffer(buffer, dtype=torch.uint8).view(dtype).view(shape)  # the tensor keeps the map alive
 
 
+def _quant_config(flag: str | None, source: ModelSource, registry: PluginRegistry,
+                  options: dict[str, Any]) -> QuantConfig | None:
+    """The quantizer for this checkpoint and `--quantization` flag, or None.
+
+    The checkpoint's own format wins; a flag naming another format is refused (a flag
+    must never silently override what the checkpoint says), and a flag on a float
+    checkpoint needs a format that quantizes while loading (fp8, bitsandbytes)."""
+    saved = source.quantization
+    if flag is None and saved is None:
+        return None
+    if saved is not None:
+        cls = registry.quant_class(saved)
+        if flag is not None and registry.quant_class(flag) is not cls:
+            raise ValueError(f"--quantization {flag}: the checkpoint is saved as {saved!r} (its "
+                             f"quantization_config); drop the flag or pass --quantization {saved}")
+        return cls.from_config(dict(source.quantization_config), dict(options))
+    cls = registry.quant_class(flag)
+    if not cls.quantizes_dense:
+        raise ValueError(f"--quantization {flag} needs a checkpoint saved in that format (a "
+                         f"quantization_config with quant_method {cls.name!r}); this one is unquantized. "
+                         "Formats that quantize a float checkpoint while loading: "
+                         f"{', '.join(sorted(n for n, c in registry.quant_methods.items() if c.quantizes_dense)) or 'none here'}")
+    return cls.from_config({}, dict(options))
+
+
+def process_after_loading(model: torch.nn.Module) -> None:
+    """Give every layer's linear or embedding method its one chance to repack loaded
+    weights, once every tensor is in (the core does it, for every model)."""
+    for module in model.modules():
+        method = getattr(module, "method", None)
+        if isinstance(method, (LinearMethod, EmbeddingMethod)):
+            method.process_after_loading(module)
+
+
 @dataclass
 class StepResult:
     sampled: dict[str, list[int]]
@@ -90,13 +127,12 @@ class Worker:
         torch.manual_seed(config.model.seed)
 
         model_cls = registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
-        quant = None
-        if config.model.quantization or source.quantization:
-            name = config.model.quantization or source.quantization
-            quant = registry.quant_config(name, {**source.quantization_config, **config.plugin_options})
+        quant = _quant_config(config.model.quantization, source, registry, config.plugin_options)
+        if quant is not None:
             reasons = quant.check(self.device, self.dtype)
             if reasons:
-                raise ValueError(f"quantization {name!r} cannot run here: {'; '.join(reasons)}")
+                raise ValueError(f"quantization {quant.name!r} cannot run here: {'; '.join(reasons)}")
+            quant.bind(model_cls.packed_modules_mapping)
         self.matmul_precision = "highest"
         if self.dtype == torch.float32:
             self.matmul_precision, why = precision.resolve(
@@ -123,7 +159,9 @@ class Worker:
         with precision.matmul_precision(self.matmul_precision):
             with torch.device(self.device):
                 self.model: CausalLM = model_cls(ctx)
-            self.model.load_weights(self._cast(source.weights()))
+            weights = source.weights()
+            self.model.load_weights(quant.weights(weights, self.model) if quant is not None else weights)
+            process_after_loading(self.model)
         self.model.eval()
         logger.info("loaded %s weights in %.1fs", type(self.model).__name__, time.perf_counter() - start)
         self.builder = self.backend.builder_cls()(self.attn_spec)
@@ -135,12 +173,6 @@ class Worker:
         self.graph_runner = None if config.device.enforce_eager else self._graph_runner(registry)
 
     # ------------------------------------------------------------------ set-up helpers
-
-    def _cast(self, weights):
-        for name, tensor in weights:
-            if tensor.is_floating_point() and tensor.dtype != self.dtype:
-                tensor = tensor.to(self.dtype)
-            yield name, tensor
 
     def _graph_runner(self, registry: PluginRegistry) -> GraphRunner | None:
         """What replays captured steps instead of calling the model (CUDA graphs, CPU step

@@ -16,7 +16,7 @@ Data crossing a boundary is a frozen dataclass; behaviour is a small ABC.
 """
 
 from pagedllm.core.contracts.attention import BatchLayout, AttentionSpec, AttentionMetadataBuilder, AttentionImpl, GraphSupport, AttentionBackend, AttentionContext, KV_CACHE_TORCH_DTYPES, kv_cache_torch_dtype
-from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, QuantConfig
+from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, QuantConfig, skip_matches
 from pagedllm.core.contracts.spec import SpecProposer
 from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat
 from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
@@ -41,4 +41,5 @@ __all__ = [
     "QuantConfig",
     "SpecProposer",
     "kv_cache_torch_dtype",
+    "skip_matches",
 ]

@@ -50,6 +50,11 @@ class CausalLM(nn.Module, ABC):
     `context.attention_backend.impl_cls()`.
     """
 
+    # checkpoint sub-module name -> (our fused module, shard index), e.g. "q_proj" ->
+    # ("qkv_proj", 0): how the loader fuses checkpoint tensors, and how a quantizer maps
+    # a skip list written in checkpoint names onto our layers
+    packed_modules_mapping: ClassVar[dict[str, tuple[str, int]]] = {}
+
     def __init__(self, context: ModelContext) -> None:
         super().__init__()
         self.context = context
@@ -66,7 +71,11 @@ class CausalLM(nn.Module, ABC):
 
     @abstractmethod
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
-        """Consume (checkpoint name, tensor) pairs; return the parameter names filled."""
+        """Consume (checkpoint name, tensor) pairs; return the parameter names filled.
+
+        Tensors arrive in their checkpoint dtype (a parameter's loader converts; a
+        quantized layer's method decides); the core calls each layer method's
+        `process_after_loading` afterwards."""
 
     @classmethod
     @abstractmethod

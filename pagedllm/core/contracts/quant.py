@@ -7,7 +7,8 @@ asks whether it is quantized.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Any, ClassVar, Sequence
+import re
+from typing import Any, ClassVar, Iterator, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -65,14 +66,69 @@ class EmbeddingMethod(ABC):
 
 
 class QuantConfig(ABC):
-    """A quantization format, built from a checkpoint's `quantization_config` or `--quantization`."""
+    """A quantization format, built from a checkpoint's `quantization_config` or `--quantization`.
+
+    The core calls, in order: `from_config` (checkpoint config and flags apart, so a
+    flag never silently overrides what the checkpoint says), `bind` (the model's fused
+    layer names, before the model is built), `linear_method` / `embedding_method` per
+    layer, `weights` around the checkpoint's tensor stream, and, once every tensor is
+    in, `process_after_loading` of each layer's method.
+    """
 
     name: ClassVar[str]
+    # vLLM names that select this format too (vLLM picks a kernel by name: awq_marlin)
+    aliases: ClassVar[tuple[str, ...]] = ()
+    # True when `--quantization NAME` may quantize a float checkpoint while it loads;
+    # otherwise the flag needs a checkpoint saved in this format
+    quantizes_dense: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod
-    def from_config(cls, config: dict[str, Any]) -> "QuantConfig":
-        """Build from the checkpoint's `quantization_config` dict ({} when only the flag names it)."""
+    def from_config(cls, config: dict[str, Any], options: dict[str, Any]) -> "QuantConfig":
+        """Build from the checkpoint's `quantization_config` ({} when only the flag names
+        the format) and the engine's plugin options (plugin-added flags)."""
+
+    def bind(self, packed_modules: Mapping[str, tuple[str, int]]) -> None:
+        """The model's fused layers: checkpoint sub-module name -> (fused name, shard),
+        e.g. q_proj -> (qkv_proj, 0), so that skip lists written in checkpoint names
+        (`modules_to_not_convert`, `ignore`) can be applied to fused layers."""
+        self.packed_modules = dict(packed_modules)
+
+    def checkpoint_names(self, prefix: str) -> list[str]:
+        """The checkpoint module names a layer of ours is made of, in shard order:
+        model.layers.0.self_attn.qkv_proj -> [...q_proj, ...k_proj, ...v_proj]."""
+        head, _, last = prefix.rpartition(".")
+        parts = sorted((shard, name) for name, (fused, shard) in getattr(self, "packed_modules", {}).items()
+                       if fused == last)
+        if not parts:
+            return [prefix]
+        return [f"{head}.{name}" if head else name for _, name in parts]
+
+    def is_skipped(self, prefix: str, patterns: Sequence[str]) -> bool:
+        """Whether the layer `prefix` is left unquantized by a skip list in checkpoint
+        names (see `skip_matches`); a fused layer whose parts disagree (q skipped, k
+        not) cannot be one quantized matrix, so it is refused."""
+        if not patterns:
+            return False
+        names = self.checkpoint_names(prefix)
+        hits = [any(skip_matches(name, p) for p in patterns) for name in names]
+        if all(hits):
+            return True
+        if any(hits):
+            skipped = [n for n, h in zip(names, hits) if h]
+            raise ValueError(f"{self.name}: the skip list leaves {skipped} unquantized but not the rest of "
+                             f"{names}, which this engine runs as one fused layer ({prefix}); skip all of "
+                             "them or none")
+        return False
+
+    def weights(self, stream: Iterator[tuple[str, torch.Tensor]], model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's (name, tensor) stream as the model's loader should see it: a
+        format may rename or fold tensors whose names are not parameter names, drop
+        tensors, or quantize float ones as they pass (one at a time, never the whole
+        model in full precision). `model` is built (its parameters say what it
+        expects). Tensors keep their checkpoint dtype: the layer's method decides what
+        to convert."""
+        return stream
 
     @abstractmethod
     def linear_method(self, prefix: str) -> LinearMethod | None:
@@ -85,3 +141,13 @@ class QuantConfig(ABC):
     def check(self, device: torch.device, dtype: torch.dtype) -> list[str]:
         """Reasons this format cannot run here (empty = it can)."""
         return []
+
+
+def skip_matches(name: str, pattern: str) -> bool:
+    """Whether checkpoint module `name` matches one skip-list entry: "re:REGEX" (as
+    compressed-tensors writes them) searched in the name, else the entry as whole dotted
+    components of the name (lm_head, q_proj, model.layers.0.mlp)."""
+    if pattern.startswith("re:"):
+        return re.search(pattern[3:], name) is not None
+    return f".{pattern.strip('.')}." in f".{name}."
+

@@ -33,21 +33,39 @@ from pagedllm import ops
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
-    """Default loader: copy the whole tensor, or shard `shard` of a fused output dim."""
+    """Copy a checkpoint tensor into `param`: whole, or as shard `shard` of a fused layer.
+
+    The one rule for every format: a parameter's `output_offsets` (the fused layer's
+    sub-matrix row offsets) locate a shard along its `output_dim` (default 0) after
+    dividing by its `pack_factor` (default 1): AWQ's qweight [in, out / 8] shards on dim 1
+    by 8, GPTQ's qzeros likewise, block scales by their block size. A parameter with
+    `per_shard` set has one row per shard instead (e.g. GPTQ's g_idx). A parameter with its
+    own `weight_loader` does all of this itself. Values are converted to the parameter's
+    dtype by the copy."""
     loader = getattr(param, "weight_loader", None)
     if loader is not None:
         loader(param, loaded, shard)
+        return
+    if getattr(param, "per_shard", False):
+        target = param.data[shard or 0]
+        if target.shape != loaded.shape:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the parameter's {tuple(target.shape)}")
+        target.copy_(loaded)
         return
     if shard is None:
         if param.shape != loaded.shape:
             raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
         param.data.copy_(loaded)
         return
+    dim = getattr(param, "output_dim", 0)
+    pack = getattr(param, "pack_factor", 1)
     offsets = param.output_offsets  # type: ignore[attr-defined]
-    start, end = offsets[shard], offsets[shard + 1]
-    if end - start != loaded.shape[0]:
-        raise ValueError(f"shard {shard} has {loaded.shape[0]} rows, expected {end - start}")
-    param.data[start:end].copy_(loaded)
+    start, end = -(-offsets[shard] // pack), -(-offsets[shard + 1] // pack)
+    expected = list(param.shape)
+    expected[dim] = end - start
+    if list(loaded.shape) != expected:
+        raise ValueError(f"shard {shard} has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
+    param.data.narrow(dim, start, end - start).copy_(loaded)
 
 
 def _offsets(sizes: Sequence[int]) -> list[int]:
@@ -230,9 +248,3 @@ class VocabEmbedding(nn.Module):
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.logits(self, x)
 
-
-def process_weights_after_loading(model: nn.Module) -> None:
-    """Give every linear method its one chance to repack loaded weights."""
-    for module in model.modules():
-        if isinstance(module, (Linear, VocabEmbedding)):
-            module.method.process_after_loading(module)

@@ -21,7 +21,6 @@ from pagedllm.plugins.models.layers import (
     RotaryEmbedding,
     VocabEmbedding,
     load_shard,
-    process_weights_after_loading,
     rope_parameters,
 )
 
@@ -189,13 +188,15 @@ class LlamaForCausalLM(CausalLM):
             target, shard = self._target(name)
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
-            load_shard(params[target], tensor, shard)
+            try:
+                load_shard(params[target], tensor, shard)
+            except ValueError as exc:
+                raise ValueError(f"checkpoint tensor {name!r}: {exc}") from None
             loaded.add(target)
-        missing = set(params) - loaded
+        missing = {n for n in set(params) - loaded if not getattr(params[n], "optional", False)}
         if missing:
             raise ValueError(f"checkpoint is missing weights for: {sorted(missing)[:8]}"
                              f"{' …' if len(missing) > 8 else ''}")
-        process_weights_after_loading(self)
         return loaded
 
 

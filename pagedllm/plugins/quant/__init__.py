@@ -15,6 +15,8 @@ from pagedllm import hookimpl
 
 _QUANT_METHODS = {
     "gguf": ("gguf_linear", "GGUFConfig"),
+    "awq": ("awq", "AWQConfig"),
+    "gptq": ("gptq", "GPTQConfig"),
 }
 _CHECKPOINT_FORMATS = {
     "gguf": ("gguf", "GGUFFormat"),

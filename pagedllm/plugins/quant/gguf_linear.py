@@ -318,8 +318,8 @@ class GGUFConfig(QuantConfig):
         self.keep_dense = keep_dense
 
     @classmethod
-    def from_config(cls, config: dict[str, Any]) -> "GGUFConfig":
-        return cls(keep_dense=not config.get("gguf_keep_quantized", False))
+    def from_config(cls, config: dict[str, Any], options: dict[str, Any]) -> "GGUFConfig":
+        return cls(keep_dense=not options.get("gguf_keep_quantized", False))
 
     def linear_method(self, prefix: str) -> LinearMethod | None:
         return GGUFLinearMethod(self.keep_dense)

@@ -1,0 +1,191 @@
+"""Integer-coded weights in groups along the input: what AWQ, GPTQ and compressed-tensors'
+pack-quantized checkpoints share once their tensors are unpacked.
+
+Each format's method does only its own unpacking, into `IntGroups`: codes q [N, K], and
+per group of input columns a scale s and a zero z, so that w = s * (q - z); act-order
+GPTQ adds the input permutation that makes its groups contiguous. `IntLinear` turns that
+into what runs:
+
+* on the CPU, the native 4-bit kernel's operands (`native.PackedWeight`): 32-value blocks
+  of nibbles with a float32 scale d = s and offset m = -s * z per block (a group of 128 is
+  four blocks sharing one pair), exactly the format's values, since s * q - s * z is
+  exact in float32 for fp16 scales and 4-bit codes. 8-bit symmetric codes (z = 128) take
+  the native 8-bit kernel. No call dequantizes the matrix.
+* elsewhere (other devices, group sizes that are not a multiple of 32, 8-bit codes with
+  zeros) a dense copy made once at load, in the compute dtype, which the log says.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from pagedllm import ops
+from pagedllm.core.contracts import LinearMethod
+from pagedllm.ops.cpu import native
+
+logger = logging.getLogger("pagedllm")
+
+Q4_1, Q8_0 = 3, 8  # the native kernels' type ids (ggml's)
+BLOCK = 32  # values per native block
+
+
+@dataclass
+class IntGroups:
+    """w[n, perm[j]] = scales[n, j // group] * (codes[n, j] - zeros[n, j // group])."""
+
+    codes: torch.Tensor  # uint8 [N, K], 0 .. 2^bits - 1
+    scales: torch.Tensor  # float32 [N, K / group]
+    zeros: torch.Tensor  # float32 [N, K / group]
+    group: int
+    bits: int
+    perm: torch.Tensor | None = None  # int64 [K]: column j holds input perm[j]; None = identity
+
+    def dequantize(self) -> torch.Tensor:
+        """Dense float32 [N, K] in the layer's input order."""
+        n, k = self.codes.shape
+        grouped = self.codes.view(n, k // self.group, self.group).float()
+        w = ((grouped - self.zeros[..., None]) * self.scales[..., None]).view(n, k)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: list[int] | None = None) -> torch.Tensor:
+    """Split each int32 of `packed` into 32 / bits codes laid out along `dim` (code i of a
+    word in bits [i * bits, (i + 1) * bits)), optionally in a format's own order:
+    `order[j]` is the position inside the word of the j-th code along `dim`."""
+    per_word = 32 // bits
+    positions = torch.tensor(order if order is not None else range(per_word), dtype=torch.int32)
+    shifts = (positions * bits).to(packed.device)
+    words = packed.to(torch.int32).unsqueeze(dim + 1)
+    view = [1] * words.dim()
+    view[dim + 1] = per_word
+    codes = (words >> shifts.view(view)) & ((1 << bits) - 1)
+    shape = list(packed.shape)
+    shape[dim] *= per_word
+    return codes.reshape(shape).to(torch.uint8)
+
+
+def _native_weight(g: IntGroups) -> native.PackedWeight | None:
+    """The native kernel's operands for `g`, or None where they cannot hold it exactly."""
+    n, k = g.codes.shape
+    if g.group % BLOCK or k % BLOCK:
+        return None
+    repeat = g.group // BLOCK
+    d = g.scales.repeat_interleave(repeat, dim=1).contiguous()
+    if g.bits == 4:
+        blocks = g.codes.view(n, k // BLOCK, 2, BLOCK // 2)
+        codes = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+        m = (-(g.scales * g.zeros)).repeat_interleave(repeat, dim=1).contiguous()
+        return native.PackedWeight(Q4_1, n, k, codes, d, m)
+    if g.bits == 8 and bool((g.zeros == 128).all()):
+        codes = (g.codes.to(torch.int16) - 128).to(torch.int8).view(torch.uint8).contiguous()
+        return native.PackedWeight(Q8_0, n, k, codes, d, torch.empty(0, dtype=torch.float32))
+    return None
+
+
+class IntLinear:
+    """x @ W^T for a layer whose rows come in parts (`IntGroups` each, stacked along N):
+    from the native kernel's operands where they hold every part, else from one dense
+    copy. `what` names the format and layer in the log."""
+
+    def __init__(self, parts: list[IntGroups], dtype: torch.dtype, device: torch.device, what: str) -> None:
+        self.n = sum(p.codes.shape[0] for p in parts)
+        self.k = parts[0].codes.shape[1]
+        self.dtype = dtype
+        self.parts: list[tuple[native.PackedWeight, torch.Tensor | None, int, int]] = []
+        self.dense = None
+        packed = [_native_weight(p) for p in parts] if device.type == "cpu" and native.available() else []
+        if packed and all(w is not None for w in packed):
+            row = 0
+            for p, w in zip(parts, packed):
+                perm = None if p.perm is None else p.perm.to(device)
+                self.parts.append((w, perm, row, row + w.n))
+                row += w.n
+            self.kind = f"native-{'+'.join(f'int{p.bits}' for p in parts)}"
+        else:
+            weight = torch.cat([p.dequantize() for p in parts]).to(dtype)
+            self.dense = ops.pack_linear(weight)
+            self.kind = f"dense-{dtype}".replace("torch.", "")
+            logger.info("%s: no native kernel reads it on %s (group %d, %d bits): dequantized once at load to %s",
+                        what, device.type, parts[0].group, parts[0].bits, str(dtype).replace("torch.", ""))
+
+    def register(self, layer: nn.Module) -> None:
+        """Make the kernel's tensors parameters of `layer` (memory accounting and state
+        dicts see them)."""
+        for i, (w, perm, _, _) in enumerate(self.parts):
+            layer.register_parameter(f"qweight_{i}", nn.Parameter(w.codes, requires_grad=False))
+            layer.register_parameter(f"qweight_scale_{i}", nn.Parameter(w.d, requires_grad=False))
+            if w.m.numel():
+                layer.register_parameter(f"qweight_offset_{i}", nn.Parameter(w.m, requires_grad=False))
+            if perm is not None:
+                layer.register_buffer(f"qweight_perm_{i}", perm, persistent=False)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.dense is not None:
+            return self.dense(x, bias)
+        rows = x.numel() // self.k
+        x2 = x.reshape(rows, self.k).float().contiguous()
+        if len(self.parts) == 1 and self.parts[0][1] is None:
+            out = native.linear(x2, self.parts[0][0])
+        else:
+            out = torch.empty(rows, self.n, dtype=torch.float32, device=x.device)
+            for w, perm, start, end in self.parts:
+                native.linear(x2 if perm is None else x2.index_select(1, perm), w, out[:, start:end])
+        if bias is not None:
+            out += bias
+        return out.to(x.dtype).view(*x.shape[:-1], self.n)
+
+
+def output_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: torch.dtype, output_sizes: list[int],
+                 output_dim: int, pack_factor: int = 1) -> nn.Parameter:
+    """Register a checkpoint tensor of a (possibly fused) layer: shards are placed along
+    `output_dim`, `pack_factor` output rows per stored element (see layers.load_shard)."""
+    param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+    offsets = [0]
+    for size in output_sizes:
+        offsets.append(offsets[-1] + size)
+    param.output_offsets = offsets  # type: ignore[attr-defined]
+    param.output_dim = output_dim  # type: ignore[attr-defined]
+    param.pack_factor = pack_factor  # type: ignore[attr-defined]
+    layer.register_parameter(name, param)
+    return param
+
+
+class GroupedIntMethod(LinearMethod):
+    """The part of a grouped-integer linear method every format shares: after loading,
+    the format's `unpack` gives `IntGroups` (one per run of shards that share an input
+    order), its checkpoint tensors are dropped and `IntLinear` serves every call."""
+
+    format_name = "int"
+    checkpoint_tensors: tuple[str, ...] = ()  # parameter names unpack reads (dropped after)
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        layer.int_input_size = input_size
+        layer.int_output_sizes = list(output_sizes)
+        layer.int_dtype = params_dtype
+        self.create_checkpoint_tensors(layer, input_size, list(output_sizes))
+
+    def create_checkpoint_tensors(self, layer: nn.Module, input_size: int, output_sizes: list[int]) -> None:
+        raise NotImplementedError
+
+    def unpack(self, layer: nn.Module) -> list[IntGroups]:
+        raise NotImplementedError
+
+    def process_after_loading(self, layer):
+        parts = self.unpack(layer)
+        device = parts[0].codes.device
+        for name in self.checkpoint_tensors:
+            if hasattr(layer, name):
+                delattr(layer, name)
+        layer.int_kernel = IntLinear(parts, layer.int_dtype, device, f"{self.format_name} {layer.prefix}")
+        layer.int_kernel.register(layer)
+
+    def apply(self, layer, x, bias):
+        return layer.int_kernel(x, bias)
