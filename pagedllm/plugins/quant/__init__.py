@@ -17,6 +17,7 @@ _QUANT_METHODS = {
     "gguf": ("gguf_linear", "GGUFConfig"),
     "awq": ("awq", "AWQConfig"),
     "gptq": ("gptq", "GPTQConfig"),
+    "compressed-tensors": ("compressed_tensors", "CompressedTensorsConfig"),
 }
 _CHECKPOINT_FORMATS = {
     "gguf": ("gguf", "GGUFFormat"),

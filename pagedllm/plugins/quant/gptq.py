@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.contracts import LinearMethod, QuantConfig
-from pagedllm.plugins.quant.int_weights import GroupedIntMethod, IntGroups, output_param, unpack_int32
+from pagedllm.plugins.quant.int_weights import GroupedIntMethod, IntGroups, output_param, split_by_order, unpack_int32
 
 
 class GPTQLinearMethod(GroupedIntMethod):
@@ -59,36 +59,8 @@ class GPTQLinearMethod(GroupedIntMethod):
         codes = unpack_int32(layer.qweight.data, bits, 0).t().contiguous()  # [out, in]
         zeros = (unpack_int32(layer.qzeros.data, bits, 1).to(torch.int32) + self.zero_offset).t().float()
         scales = layer.scales.data.t().float()
-        k = layer.int_input_size
-        in_order = torch.arange(k, dtype=torch.int64) // group
-        runs: list[tuple[torch.Tensor | None, int, int]] = []  # (perm, first row, end row)
-        row = 0
-        for shard, size in enumerate(layer.int_output_sizes):
-            g_idx = layer.g_idx.data[shard].to(torch.int64)
-            perm = None
-            if not torch.equal(g_idx, in_order):
-                counts = torch.bincount(g_idx, minlength=k // group)
-                if g_idx.min() < 0 or len(counts) != k // group or bool((counts != group).any()):
-                    raise ValueError(f"gptq {layer.prefix}: g_idx of shard {shard} does not give each of the "
-                                     f"{k // group} groups {group} input rows")
-                perm = torch.sort(g_idx, stable=True).indices
-            if runs and _same(runs[-1][0], perm):
-                runs[-1] = (runs[-1][0], runs[-1][1], row + size)
-            else:
-                runs.append((perm, row, row + size))
-            row += size
-        parts = []
-        for perm, start, end in runs:
-            c = codes[start:end] if perm is None else codes[start:end][:, perm]
-            parts.append(IntGroups(c.contiguous(), scales[start:end].contiguous(), zeros[start:end].contiguous(),
-                                   group, bits, perm))
-        return parts
-
-
-def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return torch.equal(a, b)
+        return split_by_order(codes, scales, zeros, layer.g_idx.data, layer.int_output_sizes, group, bits,
+                              f"gptq {layer.prefix}")
 
 
 class GPTQConfig(QuantConfig):

@@ -72,6 +72,44 @@ def unpack_int32(packed: torch.Tensor, bits: int, dim: int, order: list[int] | N
     return codes.reshape(shape).to(torch.uint8)
 
 
+def split_by_order(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, g_idx: torch.Tensor,
+                   output_sizes: list[int], group: int, bits: int, what: str) -> list[IntGroups]:
+    """`IntGroups` for runs of fused shards sharing one input order: each shard's `g_idx`
+    row (the group of every input column) is row order, or a permutation that makes its
+    groups contiguous (act-order), applied to the codes here and to the activations per
+    call."""
+    k = codes.shape[1]
+    in_order = torch.arange(k, dtype=torch.int64) // group
+    runs: list[tuple[torch.Tensor | None, int, int]] = []  # (perm, first row, end row)
+    row = 0
+    for shard, size in enumerate(output_sizes):
+        order = g_idx[shard].to(torch.int64)
+        perm = None
+        if not torch.equal(order, in_order):
+            counts = torch.bincount(order.clamp(min=0), minlength=k // group)
+            if order.min() < 0 or len(counts) != k // group or bool((counts != group).any()):
+                raise ValueError(f"{what}: g_idx of shard {shard} does not give each of the {k // group} groups "
+                                 f"{group} input columns")
+            perm = torch.sort(order, stable=True).indices
+        if runs and _same(runs[-1][0], perm):
+            runs[-1] = (runs[-1][0], runs[-1][1], row + size)
+        else:
+            runs.append((perm, row, row + size))
+        row += size
+    parts = []
+    for perm, start, end in runs:
+        c = codes[start:end] if perm is None else codes[start:end][:, perm]
+        parts.append(IntGroups(c.contiguous(), scales[start:end].contiguous(), zeros[start:end].contiguous(),
+                               group, bits, perm))
+    return parts
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return torch.equal(a, b)
+
+
 def _native_weight(g: IntGroups) -> native.PackedWeight | None:
     """The native kernel's operands for `g`, or None where they cannot hold it exactly."""
     n, k = g.codes.shape
