@@ -18,6 +18,7 @@ _QUANT_METHODS = {
     "awq": ("awq", "AWQConfig"),
     "gptq": ("gptq", "GPTQConfig"),
     "compressed-tensors": ("compressed_tensors", "CompressedTensorsConfig"),
+    "fp8": ("fp8", "Fp8Config"),
 }
 _CHECKPOINT_FORMATS = {
     "gguf": ("gguf", "GGUFFormat"),

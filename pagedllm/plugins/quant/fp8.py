@@ -1,0 +1,217 @@
+"""FP8 (float8_e4m3fn) weights, `quant_method: "fp8"` and `--quantization fp8`.
+
+Checkpoints (vLLM's / llm-compressor's layout):
+* per-tensor: `weight` fp8 [out, in] and a float32 `weight_scale` per checkpoint tensor
+  (a fused layer gets one per shard); `activation_scheme: "static"` adds `input_scale`.
+* blocks (`weight_block_size: [bn, bk]`, DeepSeek-V3): `weight_scale_inv` float32
+  [ceil(out / bn), ceil(in / bk)], activations scaled per token and group of bk.
+`--quantization fp8` on a float checkpoint quantizes each weight as it loads (one scale
+per output row), so a full-precision copy of the model is never held.
+
+Activations are quantized per token (dynamic) or with the static input scale, as W8A8
+runs them. Compute: on CUDA with FP8 tensor cores (compute capability 8.9+),
+`torch._scaled_mm`; on the CPU, which has no FP8 arithmetic, the codes are widened to bf16
+(exact: every e4m3 value is a bf16 value) where the CPU multiplies bf16 natively, else to
+float32, and one GEMM on the quantized activations (exact in bf16 too) with float32 sums
+gives the FP8 products; the scales are applied to its output. Block-scaled weights are
+dequantized once at load (their scales vary along the input, so they do not factor out
+of one GEMM).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedllm import ops
+from pagedllm.core.contracts import LinearMethod, QuantConfig
+from pagedllm.ops.cpu import dense, features
+
+logger = logging.getLogger("pagedllm")
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8).max)  # 448
+EPS = 1e-12
+
+
+def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row (or per row and group of `group` columns): fp8 codes and float32 scales with
+    x ~ codes * scale."""
+    rows = x.float().reshape(-1, x.shape[-1])
+    shaped = rows if group is None else rows.view(rows.shape[0], -1, group)
+    scale = (shaped.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=EPS)
+    codes = (shaped / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    return codes.view_as(rows), scale.squeeze(-1)
+
+
+def _scalar_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
+    if loaded.numel() != 1:
+        raise ValueError(f"expected one scale per tensor, got shape {tuple(loaded.shape)}")
+    param.data[shard or 0] = loaded.reshape(()).float()
+
+
+class Fp8LinearMethod(LinearMethod):
+    def __init__(self, cfg: "Fp8Config") -> None:
+        self.cfg = cfg
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        cfg = self.cfg
+        n, shards = sum(output_sizes), len(output_sizes)
+        layer.fp8_sizes, layer.fp8_in, layer.fp8_dtype = list(output_sizes), input_size, params_dtype
+        offsets = [0]
+        for size in output_sizes:
+            offsets.append(offsets[-1] + size)
+        weight = nn.Parameter(torch.empty(n, input_size, dtype=FP8), requires_grad=False)
+        weight.output_offsets = offsets  # type: ignore[attr-defined]
+        layer.register_parameter("weight", weight)
+        if not cfg.serialized:  # float checkpoint: quantize each shard as it arrives
+            layer.fp8_row_scale = torch.empty(n, dtype=torch.float32)
+            weight.weight_loader = functools.partial(self._quantize_shard, layer)  # type: ignore[attr-defined]
+            return
+        if cfg.block is not None:
+            bn, bk = cfg.block
+            bad = [s for s in output_sizes if s % bn] if shards > 1 else []
+            if bad:
+                raise ValueError(f"fp8 {layer.prefix}: fused shards {output_sizes} are not multiples of the "
+                                 f"weight block size {bn}")
+            scale = nn.Parameter(torch.empty(-(-n // bn), -(-input_size // bk), dtype=torch.float32),
+                                 requires_grad=False)
+            scale.output_offsets, scale.pack_factor = offsets, bn  # type: ignore[attr-defined]
+            layer.register_parameter("weight_scale_inv", scale)
+            return
+        for name in ("weight_scale",) + (("input_scale",) if cfg.static else ()):
+            p = nn.Parameter(torch.ones(shards, dtype=torch.float32), requires_grad=False)
+            p.weight_loader = _scalar_loader  # type: ignore[attr-defined]
+            layer.register_parameter(name, p)
+
+    @staticmethod
+    def _quantize_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
+        start = 0 if shard is None else param.output_offsets[shard]
+        rows = param.shape[0] if shard is None else layer.fp8_sizes[shard]
+        if tuple(loaded.shape) != (rows, layer.fp8_in):
+            raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {(rows, layer.fp8_in)}")
+        codes, scale = quantize_rows(loaded)
+        param.data[start:start + rows] = codes
+        layer.fp8_row_scale[start:start + rows] = scale
+
+    def process_after_loading(self, layer):
+        cfg, codes = self.cfg, layer.weight.data
+        device = codes.device
+        layer.fp8_input_scale = None
+        layer.fp8_block = None
+        if cfg.serialized and cfg.block is not None:
+            bn, bk = cfg.block
+            s = layer.weight_scale_inv.data
+            expanded = s.repeat_interleave(bn, 0)[:codes.shape[0]].repeat_interleave(bk, 1)[:, :codes.shape[1]]
+            dense_w = (codes.float() * expanded).to(layer.fp8_dtype)
+            del layer.weight, layer.weight_scale_inv
+            layer.fp8_dense = ops.pack_linear(dense_w)
+            if not layer.fp8_dense.owns_copy:
+                layer.register_parameter("weight", nn.Parameter(dense_w, requires_grad=False))
+            layer.fp8_block = bk
+            layer.fp8_kind = "block-dequantized"
+            return
+        if cfg.serialized:
+            sizes = torch.tensor(layer.fp8_sizes, device=device)
+            row_scale = layer.weight_scale.data.repeat_interleave(sizes)
+            if cfg.static:
+                layer.fp8_input_scale = float(layer.input_scale.data.max())  # one scale for the fused input
+            del layer.weight_scale
+            if hasattr(layer, "input_scale"):
+                del layer.input_scale
+        else:
+            row_scale = layer.fp8_row_scale
+        layer.fp8_row_scale = row_scale.float().contiguous()
+        del layer.weight
+        if device.type == "cuda":
+            layer.register_parameter("weight", nn.Parameter(codes, requires_grad=False))
+            layer.fp8_kind = "scaled_mm"
+            layer.fp8_gemm = None
+        elif features.detect().native_bf16 and dense.bf16_available():
+            packed = dense.prepack_bf16(codes.to(torch.bfloat16))
+            layer.fp8_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
+            layer.fp8_kind = f"fp8-as-bf16 ({dense.bf16_kernel()})"
+        else:
+            wide = codes.float()
+            packed = dense.prepack(wide) if dense.available() else None
+            layer.fp8_gemm = (functools.partial(dense.linear, packed=packed, bias=None) if packed is not None
+                              else functools.partial(F.linear, weight=wide))
+            layer.fp8_kind = "fp8-as-f32"
+
+    def apply(self, layer, x, bias):
+        k = layer.fp8_in
+        x2 = x.reshape(-1, k)
+        if layer.fp8_block is not None:  # activations per token and group, weight dequantized
+            bk = layer.fp8_block
+            if k % bk:
+                raise NotImplementedError(f"fp8 {layer.prefix}: block activations need the input size {k} to be a "
+                                          f"multiple of {bk}")
+            codes, scale = quantize_rows(x2, bk)
+            xq = (codes.float().view(x2.shape[0], -1, bk) * scale[..., None]).view_as(x2).to(x.dtype)
+            out = layer.fp8_dense(xq, bias)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        if layer.fp8_input_scale is not None:
+            x_scale = torch.full((x2.shape[0], 1), layer.fp8_input_scale, dtype=torch.float32, device=x.device)
+            xq = (x2.float() / layer.fp8_input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        else:
+            xq, x_scale = quantize_rows(x2)
+            x_scale = x_scale[:, None]
+        if layer.fp8_gemm is None:  # CUDA: FP8 tensor cores
+            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.fp8_row_scale[None, :],
+                                   out_dtype=torch.float32)
+            if bias is not None:
+                out = out + bias
+            return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+        out = layer.fp8_gemm(xq.float())
+        out = out.float() * x_scale * layer.fp8_row_scale
+        if bias is not None:
+            out = out + bias
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
+
+
+class Fp8Config(QuantConfig):
+    """FP8 W8A8: per-tensor or block-scaled checkpoints, or a float checkpoint quantized
+    while it loads (`--quantization fp8`)."""
+
+    name = "fp8"
+    quantizes_dense = True
+
+    def __init__(self, serialized: bool, static: bool, block: tuple[int, int] | None, skip: list[str]) -> None:
+        self.serialized, self.static, self.block, self.skip = serialized, static, block, skip
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any], options: dict[str, Any]) -> "Fp8Config":
+        serialized = config.get("quant_method") == "fp8"
+        scheme = config.get("activation_scheme", "dynamic")
+        if scheme not in ("dynamic", "static"):
+            raise ValueError(f"fp8: activation_scheme {scheme!r} is not one of dynamic, static")
+        block = config.get("weight_block_size")
+        if block is not None:
+            if len(block) != 2:
+                raise ValueError(f"fp8: weight_block_size must be [rows, cols], got {block}")
+            if scheme == "static":
+                raise ValueError("fp8: block-scaled weights take dynamic activations only")
+            block = (int(block[0]), int(block[1]))
+        fmt = config.get("fmt", "e4m3")
+        if fmt != "e4m3":
+            raise ValueError(f"fp8: {fmt} weights are not supported (e4m3 is)")
+        skip = list(config.get("ignored_layers") or config.get("modules_to_not_convert") or [])
+        return cls(serialized, scheme == "static", block, skip)
+
+    def linear_method(self, prefix: str) -> LinearMethod | None:
+        if self.is_skipped(prefix, self.skip):
+            return None
+        return Fp8LinearMethod(self)
+
+    def check(self, device: torch.device, dtype: torch.dtype) -> list[str]:
+        if device.type == "cuda" and self.block is None:
+            major, minor = torch.cuda.get_device_capability(device)
+            if (major, minor) < (8, 9):
+                return [f"FP8 matmuls need compute capability 8.9+ (Ada, Hopper); this GPU is {major}.{minor}: "
+                        "use a bf16 checkpoint, or --quantization awq/gptq checkpoints"]
+        return []
