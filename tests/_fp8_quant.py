@@ -93,10 +93,14 @@ def fp8_checkpoint(src: Path, out: Path, ref: Path, block: tuple[int, int] | Non
 
 
 def _fake_quantize_input(kind: str, arg, name: str):
-    """A forward pre-hook rounding a Linear's input to fp8 as W8A8 does: per token,
-    per token and group of `arg` columns, or with the static scale of `name`."""
+    """A forward pre-hook rounding a Linear's input as W8A8 does: to fp8 per token, per
+    token and group of `arg` columns, or with the static scale of `name`; to int8 per
+    token ("int8")."""
     def hook(_module, inputs):
         x = inputs[0]
+        if kind == "int8":  # INT8 W8A8: symmetric, per token
+            scale = (x.abs().amax(-1, keepdim=True) / 127.0).clamp(min=1e-12)
+            return ((x / scale).round().clamp(-128, 127) * scale,)
         if kind == "static":
             scale = torch.tensor(arg[name])
             return ((x / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * scale,)

@@ -19,6 +19,7 @@ _QUANT_METHODS = {
     "gptq": ("gptq", "GPTQConfig"),
     "compressed-tensors": ("compressed_tensors", "CompressedTensorsConfig"),
     "fp8": ("fp8", "Fp8Config"),
+    "bitsandbytes": ("bitsandbytes", "BitsAndBytesConfig"),
 }
 _CHECKPOINT_FORMATS = {
     "gguf": ("gguf", "GGUFFormat"),

@@ -12,8 +12,11 @@ Formats read here:
     weight_g_idx       int32 [in] (actorder; optional)
     weight_shape       [2]
   and w = scale * (q - zero); they run on the shared integer kernels (int_weights.py).
-* `int-quantized` / `float-quantized` (W8A8 INT8 / FP8) are recognised and refused
-  until their kernels exist (the error says so).
+* `int-quantized` (INT8 W8A8: int8 `weight`, `weight_scale` per channel [out, 1] or per
+  tensor, activations per token or with a static `input_scale`): `Int8LinearMethod`,
+  int8 GEMMs through `torch._int_mm`.
+* `float-quantized` (FP8 W8A8): the fp8 plugin's method, with per-channel or per-tensor
+  scales.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.contracts import LinearMethod, QuantConfig, skip_matches
+from pagedllm.plugins.quant.fp8 import Fp8Config, Fp8LinearMethod, _scalar_loader
 from pagedllm.plugins.quant.int_weights import GroupedIntMethod, IntGroups, output_param, split_by_order, unpack_int32
 
 LINEAR_TARGETS = {"Linear", "torch.nn.Linear", "nn.Linear"}
@@ -139,7 +143,70 @@ class CompressedTensorsConfig(QuantConfig):
                                  "(group, channel)")
             group = int(w["group_size"]) if strategy == "group" else None
             return PackQuantizedMethod(int(w.get("num_bits", 4)), group, bool(w.get("symmetric", True)))
+        a = scheme.activations or {}
+        if scheme.format in ("int-quantized", "float-quantized") and int(w.get("num_bits", 8)) == 8 and a:
+            strategy, act = w.get("strategy", "channel"), a.get("strategy", "token")
+            dynamic = bool(a.get("dynamic", True))
+            if strategy not in ("channel", "tensor") or (dynamic and act != "token") or \
+                    (not dynamic and act != "tensor") or not w.get("symmetric", True) or \
+                    not a.get("symmetric", True) or a.get("type", w.get("type")) != w.get("type"):
+                raise ValueError(f"compressed-tensors: W8A8 with {strategy} {'symmetric' if w.get('symmetric', True) else 'asymmetric'} "
+                                 f"weights and {'dynamic' if dynamic else 'static'} {act} activations is not supported "
+                                 "(channel or tensor symmetric weights, dynamic per-token or static per-tensor "
+                                 "symmetric activations are)")
+            if scheme.format == "float-quantized":
+                return Fp8LinearMethod(Fp8Config(True, not dynamic, None, []), channel_scales=strategy == "channel")
+            return Int8LinearMethod(strategy == "channel", static=not dynamic)
         raise NotImplementedError(
             f"compressed-tensors: format {scheme.format!r} with weights {w.get('type')}{w.get('num_bits')} and "
-            f"input activations {scheme.activations and scheme.activations.get('type')} is not supported yet "
-            "(pack-quantized W4A16/W8A16 is); W8A8 int-quantized and float-quantized need int8/fp8 GEMM kernels")
+            f"input activations {a.get('type')}{a.get('num_bits', '')} is not supported yet (pack-quantized "
+            "W4A16/W8A16 and int-/float-quantized W8A8 are)")
+
+
+class Int8LinearMethod(LinearMethod):
+    """INT8 W8A8 (compressed-tensors `int-quantized`): int8 weights with one scale per
+    output row (or per tensor), activations quantized per token (or with a static scale),
+    int8 x int8 products summed in int32 by `torch._int_mm` (oneDNN on the CPU: AMX-INT8
+    or VNNI where the CPU has them), then scaled."""
+
+    def __init__(self, channel_scales: bool, static: bool) -> None:
+        self.channel_scales = channel_scales
+        self.static = static
+
+    def create_weights(self, layer, input_size, output_sizes, params_dtype):
+        n = sum(output_sizes)
+        layer.int8_sizes, layer.int8_in = list(output_sizes), input_size
+        output_param(layer, "weight", (n, input_size), torch.int8, list(output_sizes), 0)
+        if self.channel_scales:
+            output_param(layer, "weight_scale", (n, 1), torch.float32, list(output_sizes), 0)
+        scalars = (() if self.channel_scales else ("weight_scale",)) + (("input_scale",) if self.static else ())
+        for name in scalars:
+            p = nn.Parameter(torch.ones(len(output_sizes), dtype=torch.float32), requires_grad=False)
+            p.weight_loader = _scalar_loader  # type: ignore[attr-defined]
+            layer.register_parameter(name, p)
+
+    def process_after_loading(self, layer):
+        codes = layer.weight.data
+        sizes = torch.tensor(layer.int8_sizes, device=codes.device)
+        scale = layer.weight_scale.data
+        layer.int8_row_scale = (scale.view(-1) if self.channel_scales else scale.repeat_interleave(sizes)).float()
+        layer.int8_input_scale = float(layer.input_scale.data.max()) if self.static else None
+        del layer.weight, layer.weight_scale
+        if hasattr(layer, "input_scale"):
+            del layer.input_scale
+        layer.register_parameter("weight_t", nn.Parameter(codes.t().contiguous(), requires_grad=False))
+
+    def apply(self, layer, x, bias):
+        x2 = x.reshape(-1, layer.int8_in).float()
+        if layer.int8_input_scale is not None:
+            x_scale = torch.full((x2.shape[0], 1), layer.int8_input_scale, device=x.device)
+        else:
+            x_scale = (x2.abs().amax(dim=-1, keepdim=True) / 127.0).clamp(min=1e-12)
+        xq = (x2 / x_scale).round().clamp(-128, 127).to(torch.int8)
+        rows = xq.shape[0]
+        if x.device.type == "cuda" and rows <= 16:  # cuBLAS int8 GEMMs take more than 16 rows
+            xq = torch.cat([xq, xq.new_zeros(17 - rows, xq.shape[1])])
+        out = torch._int_mm(xq, layer.weight_t)[:rows].float() * x_scale * layer.int8_row_scale
+        if bias is not None:
+            out = out + bias
+        return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])

@@ -56,8 +56,12 @@ def _scalar_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None)
 
 
 class Fp8LinearMethod(LinearMethod):
-    def __init__(self, cfg: "Fp8Config") -> None:
+    """`channel_scales`: the checkpoint has one weight scale per output row ([out, 1], as
+    compressed-tensors' channel strategy writes) instead of one per tensor."""
+
+    def __init__(self, cfg: "Fp8Config", channel_scales: bool = False) -> None:
         self.cfg = cfg
+        self.channel_scales = channel_scales
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         cfg = self.cfg
@@ -84,7 +88,14 @@ class Fp8LinearMethod(LinearMethod):
             scale.output_offsets, scale.pack_factor = offsets, bn  # type: ignore[attr-defined]
             layer.register_parameter("weight_scale_inv", scale)
             return
-        for name in ("weight_scale",) + (("input_scale",) if cfg.static else ()):
+        scalars = ("input_scale",) if cfg.static else ()
+        if self.channel_scales:
+            scale = nn.Parameter(torch.empty(n, 1, dtype=torch.float32), requires_grad=False)
+            scale.output_offsets = offsets  # type: ignore[attr-defined]
+            layer.register_parameter("weight_scale", scale)
+        else:
+            scalars = ("weight_scale",) + scalars
+        for name in scalars:
             p = nn.Parameter(torch.ones(shards, dtype=torch.float32), requires_grad=False)
             p.weight_loader = _scalar_loader  # type: ignore[attr-defined]
             layer.register_parameter(name, p)
@@ -118,7 +129,8 @@ class Fp8LinearMethod(LinearMethod):
             return
         if cfg.serialized:
             sizes = torch.tensor(layer.fp8_sizes, device=device)
-            row_scale = layer.weight_scale.data.repeat_interleave(sizes)
+            row_scale = (layer.weight_scale.data.view(-1) if self.channel_scales
+                         else layer.weight_scale.data.repeat_interleave(sizes))
             if cfg.static:
                 layer.fp8_input_scale = float(layer.input_scale.data.max())  # one scale for the fused input
             del layer.weight_scale

@@ -164,3 +164,8 @@ def test_smollm2_matches_transformers_on_the_dequantized_weights(smollm2_float, 
         ours = torch.tensor([next(iter(s.values())).logprob for s in got.outputs[0].logprobs], dtype=torch.float64)
         expected = rows.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
         assert (ours - expected).abs().max().item() < 2e-3, f"chat {i}: logprobs differ from transformers"
+
+
+def test_bitsandbytes_says_it_is_not_built_yet(tiny_model_dir):
+    with pytest.raises(NotImplementedError, match="bitsandbytes quantization is not supported yet"):
+        engine(tiny_model_dir("llama"), quantization="bitsandbytes")
