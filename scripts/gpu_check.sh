@@ -3,7 +3,9 @@
 #   1. the environment: GPU, python, torch, triton, and which optional libraries exist;
 #   2. `pytest -m cuda tests/plugins/attention`: every runnable backend vs the TORCH
 #      reference in fp16/bf16 (+ FP8 cache), then through the engine on a tiny model;
-#   3. scripts/gpu_attention_bench.py: decode time at batch 1/32/128 x 2k context and
+#   3. the quantization kernels: the Triton dequant-GEMM of AWQ/GPTQ/W4A16 against its
+#      formula, FP8 W8A8 through torch._scaled_mm on a tiny model;
+#   4. scripts/gpu_attention_bench.py: decode time at batch 1/32/128 x 2k context and
 #      prefill time for 8k tokens per runnable backend, with achieved bandwidth.
 # Works offline. Uses the working tree through PYTHONPATH; if `pagedllm` is not installed
 # it installs it editable (--no-deps, --no-index) so the plugin entry points exist.
@@ -57,6 +59,12 @@ status=0
 timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest -m cuda tests/plugins/attention -q -rs -p no:cacheprovider \
   || status=$?
 if [ "$status" -eq 124 ]; then echo "pytest timed out after ${TEST_TIMEOUT}s"; fi
+
+stage "pytest tests/plugins/quant (Triton int4/int8 dequant-GEMM, FP8 _scaled_mm)"
+quant_status=0
+timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest tests/plugins/quant/test_triton_int.py \
+  "tests/plugins/quant/test_fp8.py::test_fp8_on_cuda_uses_scaled_mm" -q -rs -p no:cacheprovider || quant_status=$?
+if [ "$status" -eq 0 ]; then status=$quant_status; fi
 
 stage "attention micro-benchmark"
 bench_status=0

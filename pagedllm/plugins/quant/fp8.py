@@ -140,10 +140,14 @@ class Fp8LinearMethod(LinearMethod):
             row_scale = layer.fp8_row_scale
         layer.fp8_row_scale = row_scale.float().contiguous()
         del layer.weight
-        if device.type == "cuda":
+        if device.type == "cuda" and codes.shape[0] % 16 == 0 and codes.shape[1] % 16 == 0:
             layer.register_parameter("weight", nn.Parameter(codes, requires_grad=False))
             layer.fp8_kind = "scaled_mm"
             layer.fp8_gemm = None
+        elif device.type == "cuda":  # shapes _scaled_mm does not take: bf16 GEMM on the widened codes
+            wide = codes.to(torch.bfloat16)
+            layer.fp8_gemm = lambda xq, w=wide: F.linear(xq.to(torch.bfloat16), w).float()
+            layer.fp8_kind = "fp8-as-bf16 (cuda)"
         elif features.detect().native_bf16 and dense.bf16_available():
             packed = dense.prepack_bf16(codes.to(torch.bfloat16))
             layer.fp8_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
@@ -174,8 +178,9 @@ class Fp8LinearMethod(LinearMethod):
             xq, x_scale = quantize_rows(x2)
             x_scale = x_scale[:, None]
         if layer.fp8_gemm is None:  # CUDA: FP8 tensor cores
-            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale, scale_b=layer.fp8_row_scale[None, :],
-                                   out_dtype=torch.float32)
+            # row-wise scales (per token x per output row) take a bf16 output
+            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale.contiguous(),
+                                   scale_b=layer.fp8_row_scale[None, :].contiguous(), out_dtype=torch.bfloat16)
             if bias is not None:
                 out = out + bias
             return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])

@@ -11,8 +11,10 @@ into what runs:
   four blocks sharing one pair), exactly the format's values, since s * q - s * z is
   exact in float32 for fp16 scales and 4-bit codes. 8-bit symmetric codes (z = 128) take
   the native 8-bit kernel. No call dequantizes the matrix.
-* elsewhere (other devices, group sizes that are not a multiple of 32, 8-bit codes with
-  zeros) a dense copy made once at load, in the compute dtype, which the log says.
+* on CUDA, a Triton dequant-GEMM (triton_int.py) on the codes packed in int32 words.
+* elsewhere (no kernel reads them: group sizes that are not a multiple of 32 on the CPU,
+  8-bit codes with zeros) a dense copy made once at load, in the compute dtype, which the
+  log says.
 """
 
 from __future__ import annotations
@@ -128,19 +130,42 @@ def _native_weight(g: IntGroups) -> native.PackedWeight | None:
     return None
 
 
+def _triton_reads(parts: list[IntGroups]) -> bool:
+    """Whether the Triton kernel takes these parts (and triton is installed)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return all(p.group % 16 == 0 and p.codes.shape[1] % (32 // p.bits) == 0 for p in parts)
+
+
 class IntLinear:
     """x @ W^T for a layer whose rows come in parts (`IntGroups` each, stacked along N):
     from the native kernel's operands where they hold every part, else from one dense
     copy. `what` names the format and layer in the log."""
 
-    def __init__(self, parts: list[IntGroups], dtype: torch.dtype, device: torch.device, what: str) -> None:
+    def __init__(self, parts: list[IntGroups], dtype: torch.dtype, device: torch.device, what: str,
+                 kernel: str | None = None) -> None:
         self.n = sum(p.codes.shape[0] for p in parts)
         self.k = parts[0].codes.shape[1]
         self.dtype = dtype
         self.parts: list[tuple[native.PackedWeight, torch.Tensor | None, int, int]] = []
+        self.triton_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, IntGroups, int, int]] = []
         self.dense = None
-        packed = [_native_weight(p) for p in parts] if device.type == "cpu" and native.available() else []
-        if packed and all(w is not None for w in packed):
+        kernel = kernel or ("triton" if device.type == "cuda" and _triton_reads(parts) else "native")
+        packed = [_native_weight(p) for p in parts] if kernel == "native" and device.type == "cpu" \
+            and native.available() else []
+        if kernel == "triton":
+            from pagedllm.plugins.quant import triton_int
+
+            row = 0
+            for p in parts:
+                rows = p.codes.shape[0]
+                self.triton_parts.append((triton_int.pack(p.codes, p.bits), p.scales.t().contiguous(),
+                                          p.zeros.t().contiguous(), p, row, row + rows))
+                row += rows
+            self.kind = f"triton-{'+'.join(f'int{p.bits}' for p in parts)}"
+        elif packed and all(w is not None for w in packed):
             row = 0
             for p, w in zip(parts, packed):
                 perm = None if p.perm is None else p.perm.to(device)
@@ -157,6 +182,10 @@ class IntLinear:
     def register(self, layer: nn.Module) -> None:
         """Make the kernel's tensors parameters of `layer` (memory accounting and state
         dicts see them)."""
+        for i, (words, scales, zeros, _, _, _) in enumerate(self.triton_parts):
+            layer.register_parameter(f"qweight_{i}", nn.Parameter(words, requires_grad=False))
+            layer.register_parameter(f"qweight_scale_{i}", nn.Parameter(scales, requires_grad=False))
+            layer.register_parameter(f"qweight_zero_{i}", nn.Parameter(zeros, requires_grad=False))
         for i, (w, perm, _, _) in enumerate(self.parts):
             layer.register_parameter(f"qweight_{i}", nn.Parameter(w.codes, requires_grad=False))
             layer.register_parameter(f"qweight_scale_{i}", nn.Parameter(w.d, requires_grad=False))
@@ -170,6 +199,16 @@ class IntLinear:
             return self.dense(x, bias)
         rows = x.numel() // self.k
         x2 = x.reshape(rows, self.k).float().contiguous()
+        if self.triton_parts:
+            from pagedllm.plugins.quant import triton_int
+
+            out = torch.empty(rows, self.n, dtype=torch.float32, device=x.device)
+            for words, scales, zeros, p, start, end in self.triton_parts:
+                xp = x2 if p.perm is None else x2.index_select(1, p.perm.to(x.device)).contiguous()
+                out[:, start:end] = triton_int.linear(xp, words, scales, zeros, p.group, p.bits)
+            if bias is not None:
+                out += bias
+            return out.to(x.dtype).view(*x.shape[:-1], self.n)
         if len(self.parts) == 1 and self.parts[0][1] is None:
             out = native.linear(x2, self.parts[0][0])
         else:

@@ -157,3 +157,18 @@ def test_smollm2_fp8(smollm2_float, tmp_path, case):
         total += len(tokens)
     print(f"fp8 {case}: {agree}/{total} greedy tokens are transformers' argmax on the dequantized weights")
     assert agree >= TOKEN_AGREEMENT * total, f"only {agree} of {total} tokens agree with transformers"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_on_cuda_uses_scaled_mm(tiny_model_dir, tmp_path):
+    """FP8 tensor cores (compute capability 8.9+): torch._scaled_mm against transformers with
+    the same fp8 rounding of the activations."""
+    out, ref = tmp_path / "fp8", tmp_path / "ref"
+    activations = fp8_checkpoint(tiny_model_dir("llama"), out, ref)
+    llm = LLM(str(out), dtype="bfloat16", device="cuda", kv_cache_memory=1 << 24)
+    layer = llm.engine.worker.model.model.layers[0].mlp.gate_up_proj
+    assert layer.fp8_kind == "scaled_mm"
+    diff = (engine_log_likelihoods(llm, TEXT_PROMPTS[0]).cpu()
+            - hf_log_likelihoods(ref, TEXT_PROMPTS[0], activations)).abs()
+    assert diff.median().item() < 0.05, f"median log-likelihood diff {diff.median():.2e} (bf16 activations)"

@@ -1,0 +1,78 @@
+"""A Triton dequant-GEMM for grouped integer weights (AWQ, GPTQ, compressed-tensors W4A16 /
+W8A16 on a GPU): y = x @ W^T with W = scale * (q - zero), dequantized tile by tile in
+registers, never as a whole matrix.
+
+Layout (`pack`): codes packed along the input dim into int32 words, `per_word = 32 / bits`
+rows per word (GPTQ's own qweight layout, [K / per_word, N]); scales and zeros as
+[groups, N] in the activation dtype's float. A program computes a [BLOCK_M, BLOCK_N] tile
+of y; each BLOCK_K step loads the words for its rows, shifts the codes out, applies the
+group's scale and zero (BLOCK_K divides the group size, so a step sees one group), and
+accumulates `tl.dot` in float32. Act-order layers permute x's columns before the call.
+
+This module needs triton; on the CPU it runs only under TRITON_INTERPRET=1 (tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _int_gemm(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, GROUP,
+              stride_xm, stride_wk, stride_sg, stride_ym,
+              BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    PER_WORD: tl.constexpr = 32 // BITS
+    MASK: tl.constexpr = (1 << BITS) - 1
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
+                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        words = tl.load(w_ptr + (kk // PER_WORD)[:, None] * stride_wk + rn[None, :],
+                        mask=(kk[:, None] < K) & (rn[None, :] < N), other=0)
+        codes = (words >> ((kk % PER_WORD) * BITS)[:, None]) & MASK
+        g = k0 // GROUP
+        scale = tl.load(s_ptr + g * stride_sg + rn, mask=rn < N, other=0.0)
+        zero = tl.load(z_ptr + g * stride_sg + rn, mask=rn < N, other=0.0)
+        w = (codes.to(tl.float32) - zero[None, :].to(tl.float32)) * scale[None, :].to(tl.float32)
+        acc += tl.dot(x.to(tl.float32), w)
+    tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """codes [N, K] (uint8) -> int32 words [K / per_word, N], row k of a word at bits
+    [bits * (k % per_word), ...)."""
+    per_word = 32 // bits
+    n, k = codes.shape
+    q = codes.t().to(torch.int64).reshape(k // per_word, per_word, n)
+    shifts = (torch.arange(per_word, device=codes.device, dtype=torch.int64) * bits).view(1, per_word, 1)
+    words = (q << shifts).sum(dim=1)
+    return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
+
+
+def block_k(group: int) -> int:
+    """The K step: at most 64, dividing the group size (a step stays in one group)."""
+    for size in (64, 32, 16):
+        if group % size == 0:
+            return size
+    raise ValueError(f"group size {group} is not a multiple of 16")
+
+
+def linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
+           bits: int) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] float32."""
+    m, k = x.shape
+    n = words.shape[1]
+    y = torch.empty(m, n, dtype=torch.float32, device=x.device)
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    _int_gemm[grid](x, words, scales, zeros, y, m, n, k, group, x.stride(0), words.stride(0), scales.stride(0),
+                    y.stride(0), BITS=bits, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k(group))
+    return y
