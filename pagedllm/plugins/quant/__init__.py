@@ -23,6 +23,7 @@ _QUANT_METHODS = {
 }
 _CHECKPOINT_FORMATS = {
     "gguf": ("gguf", "GGUFFormat"),
+    "bitsandbytes": ("bitsandbytes", "BitsAndBytesFormat"),
 }
 
 

@@ -166,6 +166,3 @@ def test_smollm2_matches_transformers_on_the_dequantized_weights(smollm2_float, 
         assert (ours - expected).abs().max().item() < 2e-3, f"chat {i}: logprobs differ from transformers"
 
 
-def test_bitsandbytes_says_it_is_not_built_yet(tiny_model_dir):
-    with pytest.raises(NotImplementedError, match="bitsandbytes quantization is not supported yet"):
-        engine(tiny_model_dir("llama"), quantization="bitsandbytes")
