@@ -50,9 +50,12 @@ class ModelConfig:
                      "for GGUF on CPU), float32, float16, bfloat16.", "model",
                      choices=["auto", "half", "float16", "bfloat16", "float", "float32"])
     max_model_len: int | None = opt(None, "Context length (default: the model's).", "model")
-    quantization: str | None = opt(None, "Weight quantization method (default: the checkpoint's).",
+    quantization: str | None = opt(None, "Weight quantization method (default: the checkpoint's "
+                                   "quantization_config); on a float checkpoint, a format that quantizes while "
+                                   "loading (fp8). The installed quantizers are listed when a name is unknown.",
                                    "model")
-    load_format: str = opt("auto", "Checkpoint format: auto, safetensors, gguf.", "model")
+    load_format: str = opt("auto", "Checkpoint format: auto, safetensors, or a plugin's (gguf, bitsandbytes).",
+                           "model")
     trust_remote_code: bool = opt(False, "Accepted for compatibility; pagedllm runs no remote code.",
                                   "model")
     seed: int = opt(0, "Seed of the global sampling generator.", "model")
