@@ -29,7 +29,14 @@ from torch import nn
 
 from pagedllm.core.contracts import LinearMethod, QuantConfig, skip_matches
 from pagedllm.plugins.quant.fp8 import Fp8Config, Fp8LinearMethod, _scalar_loader
-from pagedllm.plugins.quant.int_weights import GroupedIntMethod, IntGroups, output_param, split_by_order, unpack_int32
+from pagedllm.plugins.quant.int_weights import (
+    GroupedIntMethod,
+    IntGroups,
+    log_kernel_once,
+    output_param,
+    split_by_order,
+    unpack_int32,
+)
 
 LINEAR_TARGETS = {"Linear", "torch.nn.Linear", "nn.Linear"}
 
@@ -195,6 +202,8 @@ class Int8LinearMethod(LinearMethod):
         if hasattr(layer, "input_scale"):
             del layer.input_scale
         layer.register_parameter("weight_t", nn.Parameter(codes.t().contiguous(), requires_grad=False))
+        log_kernel_once("compressed-tensors int8 W8A8", "torch._int_mm (oneDNN int8 on the CPU)"
+                        if codes.device.type == "cpu" else "torch._int_mm (cuBLAS int8)")
 
     def apply(self, layer, x, bias):
         x2 = x.reshape(-1, layer.int8_in).float()

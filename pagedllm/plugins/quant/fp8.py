@@ -31,6 +31,7 @@ from torch import nn
 from pagedllm import ops
 from pagedllm.core.contracts import LinearMethod, QuantConfig
 from pagedllm.ops.cpu import dense, features
+from pagedllm.plugins.quant.int_weights import log_kernel_once
 
 logger = logging.getLogger("pagedllm")
 
@@ -126,6 +127,7 @@ class Fp8LinearMethod(LinearMethod):
                 layer.register_parameter("weight", nn.Parameter(dense_w, requires_grad=False))
             layer.fp8_block = bk
             layer.fp8_kind = "block-dequantized"
+            log_kernel_once("fp8", f"block-dequantized ({getattr(layer.fp8_dense, 'kind', 'dense')})")
             return
         if cfg.serialized:
             sizes = torch.tensor(layer.fp8_sizes, device=device)
@@ -158,8 +160,9 @@ class Fp8LinearMethod(LinearMethod):
             layer.fp8_gemm = (functools.partial(dense.linear, packed=packed, bias=None) if packed is not None
                               else functools.partial(F.linear, weight=wide))
             layer.fp8_kind = "fp8-as-f32"
+        log_kernel_once("fp8", layer.fp8_kind)
 
-    def apply(self, layer, x, bias):
+    def apply(self, layer, x, bias):  # the kind chosen at load is logged once (see process_after_loading)
         k = layer.fp8_in
         x2 = x.reshape(-1, k)
         if layer.fp8_block is not None:  # activations per token and group, weight dequantized

@@ -130,6 +130,17 @@ def _native_weight(g: IntGroups) -> native.PackedWeight | None:
     return None
 
 
+_LOGGED: set[str] = set()
+
+
+def log_kernel_once(what: str, kind: str) -> None:
+    """One log line per format and kernel kind a process picks (not one per layer)."""
+    key = f"{what}|{kind}"
+    if key not in _LOGGED:
+        _LOGGED.add(key)
+        logger.info("%s linear layers: %s kernel", what, kind)
+
+
 def _triton_reads(parts: list[IntGroups]) -> bool:
     """Whether the Triton kernel takes these parts (and triton is installed)."""
     try:
@@ -263,6 +274,7 @@ class GroupedIntMethod(LinearMethod):
                 delattr(layer, name)
         layer.int_kernel = IntLinear(parts, layer.int_dtype, device, f"{self.format_name} {layer.prefix}")
         layer.int_kernel.register(layer)
+        log_kernel_once(self.format_name, layer.int_kernel.kind)
 
     def apply(self, layer, x, bias):
         return layer.int_kernel(x, bias)
