@@ -81,7 +81,7 @@ def _quant_config(flag: str | None, source: ModelSource, registry: PluginRegistr
 
     The checkpoint's own format wins; a flag naming another format is refused (a flag
     must never silently override what the checkpoint says), and a flag on a float
-    checkpoint needs a format that quantizes while loading (fp8, bitsandbytes)."""
+    checkpoint needs a format that quantizes while loading (`QuantConfig.quantizes_dense`)."""
     saved = source.quantization
     if flag is None and saved is None:
         return None
