@@ -40,7 +40,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 4  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 5  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
@@ -55,6 +55,7 @@ _SIGNATURES = {
     "pd_has_avx2": (_i32, []),
     "pd_repack": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p]),
     "pd_linear_packed": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64]),
+    "pd_linear_lut4": (_i32, [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _i64]),
     "pd_dequantize": (_i32, [_i32, _p, _i64, _i64, _p]),
     "pd_sgemm_pack": (None, [_p, _i64, _i64, _p]),
     "pd_sgemm": (_i32, [_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
@@ -275,6 +276,51 @@ def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) ->
         raise MemoryError(f"pd_linear_packed: out of memory for {m}x{k} activations")
     if rc != PD_OK:
         raise ValueError(f"pd_linear_packed: ggml type {w.qtype} or K={k} not supported")
+    return out
+
+
+@dataclass(frozen=True)
+class Lut4Weight:
+    """A [N, K] matrix of 4-bit codebook codes (bitsandbytes NF4 / FP4) for `lut4_linear`:
+    w[n, k] = lut[code] * absmax[n, k // block]."""
+
+    n: int
+    k: int
+    block: int
+    codes: torch.Tensor  # uint8 [N, K / 2]: element 2j in byte j's low nibble, 2j + 1 in its high one
+    lut: torch.Tensor  # float32 [16]
+    absmax: torch.Tensor  # float32 [N, K / block]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.lut, self.absmax))
+
+
+def pack_lut4(codes: torch.Tensor, lut: torch.Tensor, absmax: torch.Tensor) -> Lut4Weight:
+    """codes [N, K] (0..15), lut [16], absmax [N, K / block] -> the kernel's operands."""
+    n, k = codes.shape
+    block = k // absmax.shape[1]
+    if block * absmax.shape[1] != k or block % 16 or absmax.shape[0] != n or lut.numel() != 16:
+        raise ValueError(f"lut4: codes {tuple(codes.shape)}, absmax {tuple(absmax.shape)}, lut {lut.numel()}: "
+                         "need absmax [N, K / block] with block a multiple of 16, and 16 values")
+    pairs = codes.to(torch.uint8).view(n, k // 2, 2)
+    packed = (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+    return Lut4Weight(n, k, block, packed, lut.float().contiguous(), absmax.float().contiguous())
+
+
+def lut4_linear(x: torch.Tensor, w: Lut4Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) @ W^T -> [M, N]; `out` may be a column slice."""
+    m, k = x.shape
+    if k != w.k:
+        raise ValueError(f"x has {k} columns, the weight {w.k}")
+    if out is None:
+        out = torch.empty(m, w.n, dtype=torch.float32)
+    elif out.dtype != torch.float32 or out.shape != (m, w.n) or out.stride(1) != 1:
+        raise ValueError(f"out: expected a float32 [{m}, {w.n}] view with unit column stride")
+    rc = _lib().pd_linear_lut4(_ptr(x, "x", torch.float32), m, k, w.codes.data_ptr(), w.lut.data_ptr(),
+                               w.absmax.data_ptr(), w.block, w.n, out.data_ptr(), out.stride(0))
+    if rc != PD_OK:
+        raise ValueError(f"pd_linear_lut4: block {w.block} or K={k} not supported")
     return out
 
 

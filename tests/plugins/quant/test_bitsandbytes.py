@@ -9,6 +9,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 pytest.importorskip("bitsandbytes")
 
@@ -74,9 +75,27 @@ def test_matches_transformers_on_the_dequantized_weights(tiny_model_dir, tmp_pat
     assert_parity(run_engine(llm, PROMPTS), reference(ref, PROMPTS))
 
 
-def test_in_flight_quantization_says_why_not(tiny_model_dir):
-    with pytest.raises(NotImplementedError, match="in-flight 4-bit quantization.*not supported yet"):
-        LLM(str(tiny_model_dir("llama")), device="cpu", kv_cache_memory=1 << 24, quantization="bitsandbytes")
+def test_in_flight_nf4_matches_the_library(tiny_model_dir, tmp_path):
+    """`--quantization bitsandbytes` on a float checkpoint quantizes to NF4 as it loads:
+    the same codes as bitsandbytes' quantize_4bit (blocks of 64), so transformers on the
+    library's dequantized weights is the reference."""
+    import bitsandbytes.functional as bnbf
+
+    from pagedllm.plugins.quant.bitsandbytes import NF4, quantize_nf4
+
+    w = torch.randn(64, 128)
+    q, state = bnbf.quantize_4bit(w, blocksize=64, quant_type="nf4", compress_statistics=False)
+    assert torch.equal(state.code.float(), torch.tensor(NF4)), "our NF4 table is bitsandbytes' quant_map"
+    codes, absmax = quantize_nf4(w)
+    flat = q.reshape(-1)
+    theirs = torch.stack(((flat >> 4) & 0xF, flat & 0xF), dim=1).reshape(64, 128)
+    assert (codes == theirs).float().mean() > 0.999 and torch.allclose(absmax.reshape(-1), state.absmax)
+    src = tiny_model_dir("llama")
+    write_checkpoint(src, tmp_path / "unused", tmp_path / "ref", double_quant=False)
+    llm = LLM(str(src), dtype="float32", device="cpu", kv_cache_memory=1 << 24, quantization="bitsandbytes")
+    layer = llm.engine.worker.model.model.layers[0].self_attn.qkv_proj
+    assert len(layer.bnb_kernels) == 3, "q, k and v run on the native codebook kernel"
+    assert_parity(run_engine(llm, PROMPTS), reference(tmp_path / "ref", PROMPTS))
 
 
 def test_an_incomplete_layer_is_named(tiny_model_dir, tmp_path):

@@ -7,6 +7,7 @@
  *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention (+ _bf16 variants,
  *                  pd_has_bf16_kv)
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear
+ *   lut4.c         4-bit codebook weights (bitsandbytes NF4 / FP4): pd_linear_lut4
  *
  * Why C and not torch ops: on a CPU, a decode step of a small model is dominated by
  * reading weights (float32 weights are 4x the bytes of 8-bit blocks and ~6x those of
@@ -51,7 +52,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 4
+#define PD_ABI_VERSION 5
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
