@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 from typing import Any, Iterator
 
 import torch
@@ -38,8 +37,6 @@ from pagedllm.core.contracts import LinearMethod, QuantConfig
 from pagedllm.core.loader import HFDirectory
 from pagedllm.ops.cpu import native
 from pagedllm.plugins.quant.int_weights import GroupedIntMethod, IntGroups, log_kernel_once
-
-logger = logging.getLogger("pagedllm")
 
 STATE_KEY = "quant_state.bitsandbytes__"  # + nf4 / fp4
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
