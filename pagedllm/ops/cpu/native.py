@@ -259,6 +259,16 @@ def pack(raw: torch.Tensor, qtype: int, k: int) -> PackedWeight:
     return PackedWeight(qtype, n, k, codes, d, m)
 
 
+def _output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
+    """A new float32 [m, n] output, or `out` checked to be one: a column slice of a wider
+    float32 output is fine (the kernels honour its row stride)."""
+    if out is None:
+        return torch.empty(m, n, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.shape != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"out: expected a float32 [{m}, {n}] view with unit column stride")
+    return out
+
+
 def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W^T -> [M, N]. `out` may be a column slice of a
     wider [M, *] float32 output (its row stride is honoured)."""
@@ -266,10 +276,7 @@ def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) ->
     m, k = x.shape
     if k != w.k:
         raise ValueError(f"x has {k} columns, the weight {w.k}")
-    if out is None:
-        out = torch.empty(m, w.n, dtype=torch.float32)
-    elif out.dtype != torch.float32 or out.shape != (m, w.n) or out.stride(1) != 1:
-        raise ValueError(f"out: expected a float32 [{m}, {w.n}] view with unit column stride")
+    out = _output(out, m, w.n)
     rc = lib.pd_linear_packed(w.qtype, _ptr(x, "x", torch.float32), m, k, *w.pointers, w.n, out.data_ptr(),
                               out.stride(0))
     if rc == PD_ENOMEM:
@@ -313,10 +320,7 @@ def lut4_linear(x: torch.Tensor, w: Lut4Weight, out: torch.Tensor | None = None)
     m, k = x.shape
     if k != w.k:
         raise ValueError(f"x has {k} columns, the weight {w.k}")
-    if out is None:
-        out = torch.empty(m, w.n, dtype=torch.float32)
-    elif out.dtype != torch.float32 or out.shape != (m, w.n) or out.stride(1) != 1:
-        raise ValueError(f"out: expected a float32 [{m}, {w.n}] view with unit column stride")
+    out = _output(out, m, w.n)
     rc = _lib().pd_linear_lut4(_ptr(x, "x", torch.float32), m, k, w.codes.data_ptr(), w.lut.data_ptr(),
                                w.absmax.data_ptr(), w.block, w.n, out.data_ptr(), out.stride(0))
     if rc != PD_OK:

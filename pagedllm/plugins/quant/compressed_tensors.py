@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from pagedllm.core.contracts import LinearMethod, QuantConfig, skip_matches
-from pagedllm.plugins.quant.fp8 import Fp8Config, Fp8LinearMethod, _scalar_loader
+from pagedllm.plugins.quant.fp8 import Fp8Config, Fp8LinearMethod, register_tensor_scales
 from pagedllm.plugins.quant.int_weights import (
     GroupedIntMethod,
     IntGroups,
@@ -187,10 +187,7 @@ class Int8LinearMethod(LinearMethod):
         if self.channel_scales:
             output_param(layer, "weight_scale", (n, 1), torch.float32, list(output_sizes), 0)
         scalars = (() if self.channel_scales else ("weight_scale",)) + (("input_scale",) if self.static else ())
-        for name in scalars:
-            p = nn.Parameter(torch.ones(len(output_sizes), dtype=torch.float32), requires_grad=False)
-            p.weight_loader = _scalar_loader  # type: ignore[attr-defined]
-            layer.register_parameter(name, p)
+        register_tensor_scales(layer, scalars, len(output_sizes))
 
     def process_after_loading(self, layer):
         codes = layer.weight.data

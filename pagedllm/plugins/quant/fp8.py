@@ -56,6 +56,15 @@ def _scalar_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None)
     param.data[shard or 0] = loaded.reshape(()).float()
 
 
+def register_tensor_scales(layer: nn.Module, names: tuple[str, ...], shards: int) -> None:
+    """One float32 scale per checkpoint tensor (per fused shard) for each of `names`
+    (weight_scale, input_scale of per-tensor W8A8 checkpoints, stored as shape [] or [1])."""
+    for name in names:
+        p = nn.Parameter(torch.ones(shards, dtype=torch.float32), requires_grad=False)
+        p.weight_loader = _scalar_loader  # type: ignore[attr-defined]
+        layer.register_parameter(name, p)
+
+
 class Fp8LinearMethod(LinearMethod):
     """`channel_scales`: the checkpoint has one weight scale per output row ([out, 1], as
     compressed-tensors' channel strategy writes) instead of one per tensor."""
@@ -96,10 +105,7 @@ class Fp8LinearMethod(LinearMethod):
             layer.register_parameter("weight_scale", scale)
         else:
             scalars = ("weight_scale",) + scalars
-        for name in scalars:
-            p = nn.Parameter(torch.ones(shards, dtype=torch.float32), requires_grad=False)
-            p.weight_loader = _scalar_loader  # type: ignore[attr-defined]
-            layer.register_parameter(name, p)
+        register_tensor_scales(layer, scalars, shards)
 
     @staticmethod
     def _quantize_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
