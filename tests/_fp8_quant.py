@@ -3,14 +3,13 @@ beside them, and scoring a text through an engine's model with teacher forcing."
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
+import math
 from pathlib import Path
 
 import torch
 
-LINEAR = re.compile(r"(.*\.(q|k|v|o|gate|up|down)_proj)\.weight$")
+from tests._checkpoints import LINEAR, float_tensors, write_pair
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -40,15 +39,10 @@ def fp8_checkpoint(src: Path, out: Path, ref: Path, block: tuple[int, int] | Non
     `--quantization fp8` does to a float checkpoint; only `ref` is then meaningful).
     Returns how the activations are quantized, for
     `hf_log_likelihoods(..., activations=)`."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = {}
-    for file in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(file))
+    tensors = float_tensors(src)
     inputs = _calibrate(src, static_ids) if static_ids is not None else {}
     quant, dense = {}, {}
     for name, w in tensors.items():
-        w = w.float()
         match = LINEAR.match(name)
         if not match:
             quant[name] = dense[name] = w
@@ -72,21 +66,10 @@ def fp8_checkpoint(src: Path, out: Path, ref: Path, block: tuple[int, int] | Non
             codes = codes.view(n, k)
             quant[f"{prefix}.weight_scale_inv"] = scale
         quant[name] = codes
-    config = json.loads((src / "config.json").read_text())
-    config["torch_dtype"] = "float32"
-    config.pop("dtype", None)
-    for d in (out, ref):
-        d.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-                shutil.copy(f, d / f.name)
-    (ref / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in dense.items()}, str(ref / "model.safetensors"))
     qc = {"quant_method": "fp8", "activation_scheme": "static" if static_ids is not None else "dynamic"}
     if block is not None:
         qc["weight_block_size"] = list(block)
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
-    save_file({k: v.contiguous() for k, v in quant.items()}, str(out / "model.safetensors"))
+    write_pair(src, out, ref, quant, dense, qc)
     if block is not None:
         return ("group", block[1])
     return ("static", inputs) if static_ids is not None else ("token", None)
@@ -147,3 +130,21 @@ def hf_log_likelihoods(model_dir: Path, ids: list[int], activations=None) -> tor
         logits = model(torch.tensor([ids])).logits[0]
     rows = torch.log_softmax(logits.double(), -1)[:-1]
     return rows.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
+
+
+def perplexity(logliks: torch.Tensor) -> float:
+    return math.exp(-float(logliks.mean()))
+
+
+def greedy_agreement(model_dir: Path, prompts: list[list[int]], outputs) -> tuple[int, int]:
+    """(tokens that are transformers' argmax, tokens) over our greedy continuations of
+    `prompts`, teacher-forced through transformers on `model_dir`."""
+    model = hf_model(model_dir)
+    agree = total = 0
+    for prompt, got in zip(prompts, outputs):
+        tokens = got.outputs[0].token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+        agree += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
+        total += len(tokens)
+    return agree, total

@@ -10,15 +10,13 @@ transformers runs as the reference).
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
-LINEAR = re.compile(r"(.*\.(q|k|v|o|gate|up|down)_proj)\.weight$")
+from tests._checkpoints import LINEAR, float_tensors, write_pair
+
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i holds column order_map[i] of the 8
 
 
@@ -89,16 +87,11 @@ def quantized_checkpoint(src: Path, out: Path, ref: Path, fmt: str, bits: int = 
     """`src` (float HF dir) -> `out` in `fmt` ("awq" | "gptq") and `ref` (the dequantized
     weights as a float32 HF dir). Layers whose checkpoint name contains a `skip` entry
     stay float; GPTQ layers get the all-zero biases its exporters write."""
-    from safetensors.torch import load_file, save_file
-
     gen = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for file in sorted(src.glob("*.safetensors")):
-        tensors.update(load_file(file))
+    tensors = float_tensors(src)
     quant, dense = {}, {}
     for name, w in tensors.items():
         match = LINEAR.match(name)
-        w = w.float()
         if not match or any(s in name for s in skip):
             quant[name] = dense[name] = w
             continue
@@ -116,21 +109,10 @@ def quantized_checkpoint(src: Path, out: Path, ref: Path, fmt: str, bits: int = 
             quant[f"{prefix}.{key}"] = value
         if fmt == "gptq":
             quant[f"{prefix}.bias"] = torch.zeros(w.shape[0], dtype=torch.float16)
-    config = json.loads((src / "config.json").read_text())
-    config["torch_dtype"] = "float32"
-    config.pop("dtype", None)
-    for d in (out, ref):
-        d.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
-                shutil.copy(f, d / f.name)
-    (ref / "config.json").write_text(json.dumps(config))
-    save_file({k: v.contiguous() for k, v in dense.items()}, str(ref / "model.safetensors"))
     if fmt == "awq":
         qc = {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm",
               "modules_to_not_convert": list(skip) or None}
     else:
         qc = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": sym,
               "checkpoint_format": "gptq", "modules_to_not_convert": list(skip) or None}
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
-    save_file({k: v.contiguous() for k, v in quant.items()}, str(out / "model.safetensors"))
+    write_pair(src, out, ref, quant, dense, qc)

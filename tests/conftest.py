@@ -95,3 +95,12 @@ def smollm2_path() -> str:
         return default_model()
     except ValueError as exc:
         pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="session")
+def smollm2_float(tmp_path_factory) -> Path:
+    """A float32 Hugging Face copy of the bundled SmolLM2 (its Q4_1 weights dequantized),
+    made once per session: what the quantization tests quantize in each format."""
+    from pagedllm.bench.hfcopy import make_hf_copy
+
+    return make_hf_copy(out_dir=tmp_path_factory.mktemp("smollm2-hf"))

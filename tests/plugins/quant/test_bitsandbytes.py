@@ -4,9 +4,6 @@ them), against transformers on the library's dequantized weights."""
 
 from __future__ import annotations
 
-import json
-import re
-import shutil
 
 import pytest
 import torch
@@ -14,49 +11,36 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 from pagedllm import LLM  # noqa: E402
+from tests._checkpoints import LINEAR, float_tensors, write_pair  # noqa: E402
 from tests.test_llm import assert_parity, make_prompts, reference, run_engine  # noqa: E402
 
 PROMPTS = make_prompts(17, lens=[6, 28, 1])
-LINEAR = re.compile(r"(.*\.(q|k|v|o|gate|up|down)_proj)\.weight$")
 
 
 def write_checkpoint(src, out, ref, bits=4, quant_type="nf4", double_quant=True, blocksize=64):
     import bitsandbytes.functional as bnbf
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(src / "model.safetensors"))
+    tensors = float_tensors(src)
     quant, dense = {}, {}
     for name, w in tensors.items():
         match = LINEAR.match(name)
         if not match:
-            quant[name] = dense[name] = w.float()
+            quant[name] = dense[name] = w
             continue
         if bits == 4:
-            q, state = bnbf.quantize_4bit(w.float(), blocksize=blocksize, quant_type=quant_type,
+            q, state = bnbf.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type,
                                           compress_statistics=double_quant)
             dense[name] = bnbf.dequantize_4bit(q, state).float()
             quant[name] = q
             for key, value in state.as_dict(packed=True).items():
                 quant[f"{name}.{key}"] = value
         else:
-            codes, scb, _ = bnbf.int8_vectorwise_quant(w.float())
+            codes, scb, _ = bnbf.int8_vectorwise_quant(w)
             dense[name] = codes.float() * scb[:, None] / 127.0
             quant[name], quant[f"{match.group(1)}.SCB"] = codes, scb
-    config = json.loads((src / "config.json").read_text())
-    config["torch_dtype"] = "float32"
-    config.pop("dtype", None)
-    for d in (out, ref):
-        d.mkdir(parents=True, exist_ok=True)
-        for f in src.iterdir():
-            if f.suffix != ".safetensors" and f.name != "config.json":
-                shutil.copy(f, d / f.name)
-    (ref / "config.json").write_text(json.dumps(config))
-    save_file(dense, str(ref / "model.safetensors"))
     qc = {"quant_method": "bitsandbytes", "load_in_4bit": bits == 4, "load_in_8bit": bits == 8,
           "bnb_4bit_quant_type": quant_type, "bnb_4bit_use_double_quant": double_quant,
           "bnb_4bit_compute_dtype": "float32"}
-    (out / "config.json").write_text(json.dumps({**config, "quantization_config": qc}))
-    save_file({k: v.contiguous() for k, v in quant.items()}, str(out / "model.safetensors"))
+    write_pair(src, out, ref, quant, dense, qc)
 
 
 CASES = {

@@ -134,25 +134,16 @@ def test_unsupported_schemes_are_refused_by_name(tiny_model_dir, tmp_path):
         LLM(str(out), dtype="float32", device="cpu", kv_cache_memory=1 << 24)
 
 
-@pytest.fixture(scope="module")
-def smollm2_float(tmp_path_factory):
-    from pagedllm.bench.hfcopy import make_hf_copy
-
-    return make_hf_copy(out_dir=tmp_path_factory.mktemp("smollm2-hf"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["int8-channel", "w4a16"])
 def test_smollm2(smollm2_float, tmp_path, case):
     """SmolLM2 written by the library: INT8 W8A8 perplexity on a fixed text within 5% of
     transformers' (with float or int8-rounded activations) and 90% of our greedy tokens
     its argmax; W4A16 (weight-only) gives its perplexity and greedy tokens outright."""
-    import math
-
     from transformers import AutoTokenizer
 
     from pagedllm import SamplingParams
-    from tests._fp8_quant import engine_log_likelihoods, hf_log_likelihoods, hf_model
+    from tests._fp8_quant import engine_log_likelihoods, greedy_agreement, hf_log_likelihoods, perplexity
     from tests.plugins.quant.test_fp8 import PPL_TEXT, SMOL_CHATS
 
     out, ref = tmp_path / "ct", tmp_path / "ref"
@@ -160,21 +151,13 @@ def test_smollm2(smollm2_float, tmp_path, case):
     write_checkpoint(smollm2_float, out, ref, **kw)
     llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory=1 << 26, max_model_len=512)
     ids = AutoTokenizer.from_pretrained(smollm2_float)(PPL_TEXT)["input_ids"]
-    ours = math.exp(-float(engine_log_likelihoods(llm, ids).mean()))
-    theirs = math.exp(-float(hf_log_likelihoods(ref, ids).mean()))
-    emulated = math.exp(-float(hf_log_likelihoods(ref, ids, ("int8", None) if case == "int8-channel" else None)
-                               .mean()))
+    ours = perplexity(engine_log_likelihoods(llm, ids))
+    theirs = perplexity(hf_log_likelihoods(ref, ids))
+    emulated = perplexity(hf_log_likelihoods(ref, ids, ("int8", None) if case == "int8-channel" else None))
     prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in SMOL_CHATS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    model = hf_model(ref)
-    agree = total = 0
-    for prompt, got in zip(prompts, outputs):
-        tokens = got.outputs[0].token_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-        agree += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
-        total += len(tokens)
+    agree, total = greedy_agreement(ref, prompts, outputs)
     print(f"compressed-tensors {case}: perplexity {ours:.3f} vs {theirs:.3f} weights-only ({ours / theirs - 1:+.1%}), "
           f"{emulated:.3f} with int8 activations ({ours / emulated - 1:+.1%}); "
           f"{agree}/{total} greedy tokens transformers' argmax")

@@ -6,13 +6,18 @@ quantized here, so tokens may differ where two are close; perplexity must stay w
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
-from tests._fp8_quant import engine_log_likelihoods, fp8_checkpoint, hf_log_likelihoods, hf_model
+from tests._fp8_quant import (
+    engine_log_likelihoods,
+    fp8_checkpoint,
+    greedy_agreement,
+    hf_log_likelihoods,
+    perplexity,
+)
 from tests.test_llm import make_prompts
 
 TEXT_PROMPTS = make_prompts(11, lens=[96])
@@ -21,10 +26,6 @@ PPL_RTOL = 0.02
 
 def engine(path, **kw) -> LLM:
     return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 24, **kw)
-
-
-def perplexity(logliks: torch.Tensor) -> float:
-    return math.exp(-float(logliks.mean()))
 
 
 CASES = {
@@ -99,13 +100,6 @@ SMOL_CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
               "def fib(n):\n    # complete this Python function", "Explain in one sentence why the sky is blue."]
 
 
-@pytest.fixture(scope="module")
-def smollm2_float(tmp_path_factory):
-    from pagedllm.bench.hfcopy import make_hf_copy
-
-    return make_hf_copy(out_dir=tmp_path_factory.mktemp("smollm2-hf"))
-
-
 # Measured on SmolLM2 (PPL_TEXT, 285 tokens; float model 29.80): perplexity against
 # transformers on the same weights with float activations, and against transformers with
 # the same fp8 rounding of every projection's input (W8A8 emulated):
@@ -147,14 +141,7 @@ def test_smollm2_fp8(smollm2_float, tmp_path, case):
     # tokens, so whole greedy chats diverge at near-ties (measured, chats equal to
     # transformers over 16 tokens: 1-3 of 4, with or without fp8 activations on its side).
     # Token by token, teacher-forced on our continuation, they must agree.
-    model = hf_model(ref)
-    agree = total = 0
-    for prompt, got in zip(prompts, outputs):
-        tokens = got.outputs[0].token_ids
-        with torch.no_grad():
-            logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
-        agree += int((logits.argmax(-1) == torch.tensor(tokens)).sum())
-        total += len(tokens)
+    agree, total = greedy_agreement(ref, prompts, outputs)
     print(f"fp8 {case}: {agree}/{total} greedy tokens are transformers' argmax on the dequantized weights")
     assert agree >= TOKEN_AGREEMENT * total, f"only {agree} of {total} tokens agree with transformers"
 

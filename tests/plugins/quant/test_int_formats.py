@@ -132,13 +132,6 @@ SMOL_CHATS = ["What is the capital of France?", "Write a haiku about the sea.",
 SMOL_TOKENS = 24
 
 
-@pytest.fixture(scope="module")
-def smollm2_float(tmp_path_factory):
-    from pagedllm.bench.hfcopy import make_hf_copy
-
-    return make_hf_copy(out_dir=tmp_path_factory.mktemp("smollm2-hf"))
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["awq", "gptq-act-order"])
 def test_smollm2_matches_transformers_on_the_dequantized_weights(smollm2_float, tmp_path, case):
