@@ -32,6 +32,7 @@ from pagedllm.plugins.quant.fp8 import Fp8Config, Fp8LinearMethod, register_tens
 from pagedllm.plugins.quant.int_weights import (
     GroupedIntMethod,
     IntGroups,
+    group_index_param,
     log_kernel_once,
     output_param,
     split_by_order,
@@ -80,11 +81,7 @@ class PackQuantizedMethod(GroupedIntMethod):
         shape = nn.Parameter(torch.zeros(len(output_sizes), 2, dtype=torch.int64), requires_grad=False)
         shape.per_shard = True  # type: ignore[attr-defined]
         layer.register_parameter("weight_shape", shape)
-        g_idx = nn.Parameter(torch.arange(input_size, dtype=torch.int32).div(group, rounding_mode="floor")
-                             .repeat(len(output_sizes), 1), requires_grad=False)
-        g_idx.per_shard = True  # type: ignore[attr-defined]
-        g_idx.optional = True  # type: ignore[attr-defined]  # written with actorder only
-        layer.register_parameter("weight_g_idx", g_idx)
+        group_index_param(layer, "weight_g_idx", input_size, group, len(output_sizes))  # actorder only
         layer.int_group = group
 
     def unpack(self, layer: nn.Module) -> list[IntGroups]:

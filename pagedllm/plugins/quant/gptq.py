@@ -23,7 +23,14 @@ import torch
 from torch import nn
 
 from pagedllm.core.contracts import LinearMethod, QuantConfig
-from pagedllm.plugins.quant.int_weights import GroupedIntMethod, IntGroups, output_param, split_by_order, unpack_int32
+from pagedllm.plugins.quant.int_weights import (
+    GroupedIntMethod,
+    IntGroups,
+    group_index_param,
+    output_param,
+    split_by_order,
+    unpack_int32,
+)
 
 
 class GPTQLinearMethod(GroupedIntMethod):
@@ -47,11 +54,7 @@ class GPTQLinearMethod(GroupedIntMethod):
         output_param(layer, "qweight", (input_size // per_word, n), torch.int32, output_sizes, 1)
         output_param(layer, "qzeros", (groups, n // per_word), torch.int32, output_sizes, 1, per_word)
         output_param(layer, "scales", (groups, n), torch.float32, output_sizes, 1)
-        g_idx = nn.Parameter(torch.arange(input_size, dtype=torch.int32).div(group, rounding_mode="floor")
-                             .repeat(len(output_sizes), 1), requires_grad=False)
-        g_idx.per_shard = True  # type: ignore[attr-defined]  # one row per fused shard
-        g_idx.optional = True  # type: ignore[attr-defined]  # some exports omit it (then: row order)
-        layer.register_parameter("g_idx", g_idx)
+        group_index_param(layer, "g_idx", input_size, group, len(output_sizes))
         layer.int_group = group
 
     def unpack(self, layer: nn.Module) -> list[IntGroups]:

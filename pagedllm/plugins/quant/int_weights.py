@@ -246,6 +246,17 @@ def output_param(layer: nn.Module, name: str, shape: tuple[int, ...], dtype: tor
     return param
 
 
+def group_index_param(layer: nn.Module, name: str, input_size: int, group: int, shards: int) -> None:
+    """Register an act-order group index (GPTQ's g_idx, compressed-tensors' weight_g_idx):
+    one row per fused shard giving each input column's group. It defaults to row order
+    (column k in group k // group), what exports that omit it mean, so it is optional."""
+    g_idx = nn.Parameter(torch.arange(input_size, dtype=torch.int32).div(group, rounding_mode="floor")
+                         .repeat(shards, 1), requires_grad=False)
+    g_idx.per_shard = True  # type: ignore[attr-defined]
+    g_idx.optional = True  # type: ignore[attr-defined]
+    layer.register_parameter(name, g_idx)
+
+
 class GroupedIntMethod(LinearMethod):
     """The part of a grouped-integer linear method every format shares: after loading,
     the format's `unpack` gives `IntGroups` (one per run of shards that share an input
