@@ -21,8 +21,8 @@ from typing import Any, NoReturn, Sequence
 from pagedllm import bench, chat_cli
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.logs import setup_logging
-from pagedllm.engine_args import (add_dataclass_args, add_engine_args, engine_config_from_args,
-                                  engine_kwargs_from_args)
+from pagedllm.engine_args import (add_dataclass_args, add_engine_args, check_plugin_values,
+                                  engine_config_from_args, engine_kwargs_from_args)
 
 logger = logging.getLogger("pagedllm")
 
@@ -131,6 +131,7 @@ def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         args.engine_kwargs = engine_kwargs_from_args(args)
         args.engine_config = EngineConfig.from_kwargs(**args.engine_kwargs)
+        check_plugin_values(args.engine_config)
     except (ValueError, NotImplementedError) as exc:
         _fail(parser, exc)
     args.model = args.engine_kwargs.get("model")

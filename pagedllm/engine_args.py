@@ -31,7 +31,7 @@ GROUP_TITLES = {
     "scheduler": "scheduler",
     "parallel": "parallelism (not supported yet: sizes other than 1 are refused)",
     "device": "device and kernels",
-    "spec": "speculative decoding (not supported yet)",
+    "spec": "speculative decoding",
     "server": "server",
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
@@ -165,8 +165,21 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The validated EngineConfig; raises ValueError / NotImplementedError naming the field."""
-    return EngineConfig.from_kwargs(**engine_kwargs_from_args(args))
+    """The validated EngineConfig; raises ValueError / NotImplementedError naming the field.
+
+    Values checked against the installed plugins (the speculative method and its keys)
+    are checked here too, so a typo fails before a model loads."""
+    config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))
+    check_plugin_values(config)
+    return config
+
+
+def check_plugin_values(config: EngineConfig) -> None:
+    from pagedllm.core.plugins import get_registry
+    from pagedllm.core.spec_decode import resolve_spec_config
+
+    if config.spec.speculative_config:
+        resolve_spec_config(config.spec.speculative_config, get_registry())
 
 
 def engine_flags(kwargs: dict[str, Any]) -> list[str]:

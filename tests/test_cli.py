@@ -92,7 +92,12 @@ def test_model_given_twice_differently_is_an_error() -> None:
 @pytest.mark.parametrize("argv,message", [
     (["-tp", "2"], "tensor_parallel_size=2 is not supported yet"),
     (["--pipeline-parallel-size", "4"], "pipeline_parallel_size=4 is not supported yet"),
-    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'], "not supported yet"),
+    (["--speculative-config", '{"method": "nope", "num_speculative_tokens": 3}'], "unknown speculative method"),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "lookup": 2}'],
+     "unknown key(s) lookup"),
+    (["--speculative-config", '{"method": "ngram"}'], "needs \"num_speculative_tokens\""),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "draft_tensor_parallel_size": 2}'],
+     "draft_tensor_parallel_size=2 is not supported"),
     (["--block-size", "3"], "invalid choice"),
     (["--max-num-seqs", "0"], "max_num_seqs must be >= 1"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),

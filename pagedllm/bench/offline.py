@@ -62,6 +62,22 @@ def _write_json(path: str | None, result: dict[str, Any]) -> None:
         print(f"Results written to {path}")
 
 
+def report_spec_decode(llm: Any, result: dict[str, Any]) -> None:
+    """Add and print the acceptance figures when the engine speculates."""
+    if llm.engine.spec_config is None:
+        return
+    stats = llm.engine.scheduler.spec_stats
+    result["spec_decode"] = {
+        "method": llm.engine.spec_config.method, "num_drafts": stats.num_drafts,
+        "num_draft_tokens": stats.num_draft_tokens, "num_accepted_tokens": stats.num_accepted_tokens,
+        "acceptance_rate": stats.acceptance_rate, "mean_acceptance_length": stats.mean_acceptance_length,
+        "accepted_per_position": list(stats.accepted_per_position),
+    }
+    print(f"Speculative decoding ({llm.engine.spec_config.method}): mean acceptance length "
+          f"{stats.mean_acceptance_length:.2f}, acceptance rate {100 * stats.acceptance_rate:.1f}% "
+          f"({stats.num_accepted_tokens} of {stats.num_draft_tokens} draft tokens in {stats.num_drafts} drafts)")
+
+
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Generate for all requests in one `LLM.generate` call and report the rates."""
     from pagedllm import SamplingParams
@@ -96,6 +112,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
           f"{result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {prompt_tokens}")
     print(f"Total num output tokens:  {output_tokens}")
+    report_spec_decode(llm, result)
     _write_json(args.output_json, result)
     return result
 
@@ -140,5 +157,6 @@ def run_latency(args: argparse.Namespace) -> dict[str, Any]:
     print(f"Avg latency: {result['avg_latency']:.4f} seconds")
     for q, value in result["percentiles"].items():
         print(f"{q}% percentile latency: {value:.4f} seconds")
+    report_spec_decode(llm, result)
     _write_json(args.output_json, result)
     return result

@@ -49,8 +49,9 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
 def load_dataset(path: str | Path, num_prompts: int, output_len: int, tokenizer: Any = None) -> list[BenchRequest]:
     """Read up to `num_prompts` requests from a JSONL file.
 
-    Each line is an object with "prompt_token_ids" (used as is) or "prompt" (encoded
-    with `tokenizer`, which is then required); an optional "output_len" overrides
+    Each line is an object with "prompt_token_ids" (used as is), "messages" (a chat, through
+    the tokenizer's chat template) or "prompt" (encoded with `tokenizer`, which is then
+    required for both); an optional "output_len" overrides
     `output_len` for that line. Errors name the file and line, since datasets are
     usually hand-made.
     """
@@ -71,12 +72,18 @@ def load_dataset(path: str | Path, num_prompts: int, output_len: int, tokenizer:
             if "prompt_token_ids" in item:
                 ids = [int(t) for t in item["prompt_token_ids"]]
                 requests.append(BenchRequest(ids, n_out, item.get("prompt")))
+            elif "messages" in item:  # a chat: the model's chat template makes the prompt
+                if tokenizer is None:
+                    raise ValueError(f"{path}:{lineno}: a chat needs a tokenizer")
+                ids = tokenizer.apply_chat_template(item["messages"], add_generation_prompt=True, tokenize=True)
+                ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+                requests.append(BenchRequest(list(ids), n_out))
             elif "prompt" in item:
                 if tokenizer is None:
                     raise ValueError(f"{path}:{lineno}: a text prompt needs a tokenizer")
                 requests.append(BenchRequest(list(tokenizer.encode(item["prompt"])), n_out, item["prompt"]))
             else:
-                raise ValueError(f"{path}:{lineno}: needs a 'prompt' or 'prompt_token_ids' field")
+                raise ValueError(f"{path}:{lineno}: needs a 'prompt', 'messages' or 'prompt_token_ids' field")
     if not requests:
         raise ValueError(f"{path}: no requests found")
     return requests

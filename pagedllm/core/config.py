@@ -147,11 +147,15 @@ class DeviceConfig:
 
 @dataclass
 class SpecConfig:
-    speculative_config: dict | None = opt(None, "Speculative decoding (not supported yet).", "spec")
+    speculative_config: dict | None = opt(
+        None, "Speculative decoding, vLLM's JSON: {\"method\": \"ngram\" | \"suffix\" | \"draft_model\" | "
+        "\"eagle\" | \"eagle3\", \"num_speculative_tokens\": k, ...} (checked against the installed methods "
+        "at start-up).", "spec")
 
     def __post_init__(self) -> None:
-        if self.speculative_config:
-            raise NotImplementedError("speculative decoding is not supported yet; drop --speculative-config")
+        if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
+            raise ValueError("speculative_config must be a dict (vLLM's keys), e.g. "
+                             "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
 
 
 CONCERNS = {

@@ -46,8 +46,12 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add_tokens(self, token_ids: list[int]) -> str | None:
-        """Append tokens; return the stop string that matched (text truncated at it), else None."""
+        """Append tokens; return the stop string that matched (text truncated at it), else
+        None. `num_used` says how many of `token_ids` were read: with several tokens in
+        one step (speculative decoding), the ones after a stop string's are not."""
+        self.num_used = 0
         for token_id in token_ids:
+            self.num_used += 1
             self.ids.append(token_id)
             prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
             new_text = self._decode(self.ids[self.prefix_offset:])

@@ -31,7 +31,8 @@ from pagedllm.core.request import (
     RequestStatus,
     SamplingParams,
 )
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
+from pagedllm.core.spec_decode import resolve_spec_config
 from pagedllm.core.worker import Worker
 
 logger = logging.getLogger("pagedllm")
@@ -76,11 +77,14 @@ class LLMEngine:
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's "
                              f"max_position_embeddings={model_max}; lower --max-model-len")
         budget = config.max_num_batched_tokens(self.max_model_len)
-        self.worker = Worker(config, source, registry, self.max_model_len, budget)
+        self.spec_config = resolve_spec_config(config.spec.speculative_config, registry)
+        self.worker = Worker(config, source, registry, self.max_model_len, budget, self.spec_config)
         self.block_manager = BlockManager(self.worker.budget.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
+        proposer = self.worker.proposer
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs, budget,
-                                   self.max_model_len, config.scheduler.enable_chunked_prefill)
+                                   self.max_model_len, config.scheduler.enable_chunked_prefill,
+                                   num_lookahead_slots=proposer.num_lookahead_slots if proposer else 0)
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         if self.eos_token_id is None:
             self.eos_token_id = getattr(self.hf_config, "eos_token_id", None)
@@ -169,17 +173,20 @@ class LLMEngine:
             return []
         result = self.worker.execute(out)
         touched = self.scheduler.update_from_output(out, result.sampled)
-        self._record(len(out.scheduled), sum(len(t) for t in result.sampled.values()))
+        self._record(len(out.scheduled), sum(len(t) for _, t in touched))
         changed: dict[str, _Parent] = {}
-        for req in touched:
+        for req, new_tokens in touched:
             parent = self.parents[self.child_to_parent[req.request_id]]
-            new_tokens = result.sampled[req.request_id]
             self._append_logprobs(req, new_tokens, result.logprobs.get(req.request_id))
-            matched = parent.detokenizers[req.request_id].add_tokens(new_tokens)
+            detokenizer = parent.detokenizers[req.request_id]
+            matched = detokenizer.add_tokens(new_tokens)
             if matched is not None:
+                req.truncate_output(len(new_tokens) - detokenizer.num_used)
                 req.stop_reason = matched
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             changed[parent.request_id] = parent
+        if self.worker.proposer is not None:
+            self._propose(out, touched)
         outputs = []
         for parent in changed.values():
             if all(c.is_finished for c in parent.children):
@@ -187,6 +194,15 @@ class LLMEngine:
             else:
                 outputs.append(self._output(parent))
         return outputs
+
+    def _propose(self, out: SchedulerOutput, touched: list[tuple[Request, list[int]]]) -> None:
+        """Ask the proposer for the drafts the next step verifies (running requests only)."""
+        drafted = {e.request.request_id: len(e.spec_token_ids) for e in out.scheduled}
+        live = [(req, tokens, min(len(tokens) - 1, drafted.get(req.request_id, 0)),
+                 self.block_manager.block_ids(req.request_id))
+                for req, tokens in touched if not req.is_finished]
+        for request_id, drafts in self.worker.propose(live).items():
+            self.scheduler.requests[request_id].spec_token_ids = drafts
 
     def _record(self, num_seqs: int, num_tokens: int) -> None:
         s = self.stats

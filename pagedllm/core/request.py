@@ -184,3 +184,15 @@ class Request:
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_dropped: int) -> None:
+        """Drop the last output tokens (those after a stop string inside one step's
+        accepted drafts) and their logprobs."""
+        if num_dropped <= 0:
+            return
+        del self.output_token_ids[-num_dropped:]
+        del self.all_token_ids[-num_dropped:]
+        if self.logprobs is not None and len(self.logprobs) > len(self.output_token_ids):
+            for record in self.logprobs[len(self.output_token_ids):]:  # the sampled token comes first
+                self.cumulative_logprob -= next(iter(record.values())).logprob
+            del self.logprobs[len(self.output_token_ids):]

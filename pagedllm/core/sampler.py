@@ -13,6 +13,7 @@ distribution (before any processing), as vLLM reports them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Sequence
 
 import torch
 
@@ -96,7 +97,10 @@ class Sampler:
             logits[i] = row
         return logits
 
-    def _random(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor) -> torch.Tensor:
+    def _distributions(self, logits: torch.Tensor, requests: list[Request]):
+        """Each row's sampling distribution after temperature, top-k / top-p and min-p:
+        yields (row indices, probabilities [rows, W] (unnormalized where min-p cut),
+        their token ids [rows, W], or None where W is the whole vocabulary)."""
         params = [r.params for r in requests]
         dev = logits.device
         temps = torch.tensor([1.0 if p.greedy else p.temperature for p in params], device=dev)
@@ -105,8 +109,6 @@ class Sampler:
         top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
         min_p = torch.tensor([p.min_p for p in params], device=dev)
-        uniforms = self._uniforms(requests)
-        tokens = torch.empty(len(requests), dtype=torch.long, device=dev)
         truncated = (top_k > 0) | (top_p < 1.0)
         for rows, cut in ((truncated, True), (~truncated, False)):
             if not bool(rows.any()):
@@ -121,11 +123,108 @@ class Sampler:
             if bool((floor > 0).any()):
                 keep = probs >= floor[:, None] * probs.max(dim=-1, keepdim=True).values
                 probs = torch.where(keep, probs, torch.zeros_like(probs))
+            yield index, probs, ids
+
+    def _random(self, logits: torch.Tensor, requests: list[Request], greedy: torch.Tensor) -> torch.Tensor:
+        uniforms = self._uniforms(requests)
+        tokens = torch.empty(len(requests), dtype=torch.long, device=logits.device)
+        for index, probs, ids in self._distributions(logits, requests):
             picked = _inverse_cdf(probs, uniforms[index])
             tokens[index] = picked if ids is None else ids.gather(1, picked[:, None]).squeeze(1)
         if bool(greedy.any()):
             tokens = torch.where(greedy, _argmax(logits), tokens)
         return tokens
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def verify(self, logits: torch.Tensor, requests: list[Request], drafts: list[Sequence[int]],
+               draft_probs: torch.Tensor | None = None) -> tuple[list[list[int]], list[list[Any]]]:
+        """Rejection sampling of speculative drafts: each request's tokens and logprobs.
+
+        logits: [sum(len(d) + 1), vocab] float32, request i's len(drafts[i]) + 1 rows in
+        order (row j scores the token after draft j - 1; the last row is the bonus).
+        draft_probs: [sum(len(d)), vocab], the proposer's distribution q at each draft, or
+        None where drafts are deterministic (ngram, suffix, greedy drafting: q one-hot).
+
+        A greedy request keeps drafts while each equals the target's argmax, then the
+        argmax. A sampled one accepts draft x with probability min(1, p(x) / q(x)) and
+        at the first rejection draws from norm(max(p - q, 0)); with every draft accepted
+        it draws the bonus token from p. p is the distribution the request would sample
+        from (penalties, temperature, top-k/p, min-p), with the drafts before a position
+        counted as generated: the tokens are distributed exactly as without speculation.
+        """
+        rows = _ahead_rows(requests, drafts)
+        n = len(rows)
+        if logits.shape[0] != n:
+            raise ValueError(f"verify: {logits.shape[0]} logits rows for {n} rows (each request's drafts + 1)")
+        raw = logits
+        logits = self._penalize(logits, rows)
+        dev = logits.device
+        offsets = [0]
+        for d in drafts:
+            offsets.append(offsets[-1] + len(d) + 1)
+        flat_drafts = torch.full((n,), -1, dtype=torch.long)
+        draft_row = []  # row of each draft token, in draft_probs order
+        for i, d in enumerate(drafts):
+            if d:
+                flat_drafts[offsets[i]:offsets[i] + len(d)] = torch.tensor(list(d), dtype=torch.long)
+                draft_row.extend(range(offsets[i], offsets[i] + len(d)))
+        flat_drafts = flat_drafts.to(dev)
+        greedy = torch.tensor([r.params.greedy for r in rows], device=dev)
+        token = _argmax(logits)
+        accepted = token == flat_drafts
+        if not bool(greedy.all()):
+            q_index = torch.full((n,), -1, dtype=torch.long, device=dev)
+            if draft_probs is not None and draft_row:
+                q_index[torch.tensor(draft_row, device=dev)] = torch.arange(len(draft_row), device=dev)
+            u_accept, u_draw = self._uniforms(rows), self._uniforms(rows)
+            sampled_rows = (~greedy).nonzero().squeeze(1)
+            part = [rows[i] for i in sampled_rows.tolist()]
+            for index, probs, ids in self._distributions(logits[sampled_rows], part):
+                index = sampled_rows[index]
+                x = flat_drafts[index]
+                probs = probs.to(torch.float64)
+                probs = probs / probs.sum(dim=-1, keepdim=True)
+                at_x = (ids == x[:, None]) if ids is not None else \
+                    torch.nn.functional.one_hot(x.clamp(min=0), probs.shape[-1]).bool() & (x[:, None] >= 0)
+                p_x = (probs * at_x).sum(dim=-1)
+                qi = q_index[index]
+                if draft_probs is None:
+                    q = at_x.to(probs.dtype)
+                else:
+                    q_rows = draft_probs[qi.clamp(min=0)].to(torch.float64)
+                    q = q_rows if ids is None else q_rows.gather(1, ids)
+                    q = torch.where((qi >= 0)[:, None], q, torch.zeros_like(q))
+                q_x = (q * at_x).sum(dim=-1)
+                has_draft = x >= 0
+                accepted[index] = has_draft & (u_accept[index] * q_x < p_x)
+                residual = _residual(probs, q, has_draft)
+                picked = _inverse_cdf(residual, u_draw[index])
+                token[index] = picked if ids is None else ids.gather(1, picked[:, None]).squeeze(1)
+        token_list, accepted_list = token.tolist(), accepted.tolist()
+        out_tokens: list[list[int]] = []
+        emitted_rows: list[int] = []
+        for i, d in enumerate(drafts):
+            base = offsets[i]
+            taken: list[int] = []
+            for j in range(len(d) + 1):
+                emitted_rows.append(base + j)
+                if j < len(d) and accepted_list[base + j]:
+                    taken.append(int(d[j]))
+                    continue
+                taken.append(token_list[base + j])
+                break
+            out_tokens.append(taken)
+        logprobs: list[list[Any]] = [[] for _ in drafts]
+        if any(r.params.logprobs is not None for r in requests):
+            index = torch.tensor(emitted_rows, device=dev)
+            chosen = torch.tensor([t for ts in out_tokens for t in ts], device=dev)
+            entries = self._logprobs(raw[index], chosen, [rows[r] for r in emitted_rows])
+            at = 0
+            for i, ts in enumerate(out_tokens):
+                logprobs[i] = entries[at:at + len(ts)] if requests[i].params.logprobs is not None else []
+                at += len(ts)
+        return out_tokens, logprobs
 
     def _uniforms(self, requests: list[Request]) -> torch.Tensor:
         """One uniform number in [0, 1) per row (float64): from the request's own generator
@@ -226,3 +325,46 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     rest = torch.minimum(target - before, inner[:, -1] * (1 - 2.0 ** -40))
     within = torch.searchsorted(inner, rest[:, None], right=True).squeeze(1).clamp(max=CHUNK - 1)
     return which * CHUNK + within
+
+
+def _residual(probs: torch.Tensor, q: torch.Tensor, has_draft: torch.Tensor) -> torch.Tensor:
+    """What a row draws from when its draft is rejected: max(p - q, 0) (unnormalized),
+    or p itself on a bonus row (no draft) or where p - q has no mass left (p == q, where
+    a rejection cannot happen exactly but rounding might)."""
+    residual = torch.where(has_draft[:, None], (probs - q).clamp(min=0), probs)
+    empty = residual.sum(dim=-1) <= 0
+    return torch.where(empty[:, None], probs, residual)
+
+
+class _Ahead:
+    """A request as seen from a later position of its speculative run: the drafts before
+    that position count as generated (penalties and min_tokens read them)."""
+
+    __slots__ = ("request_id", "params", "eos_token_id", "output_token_ids", "all_token_ids")
+
+    def __init__(self, req: Request, drafts: Sequence[int]) -> None:
+        self.request_id = req.request_id
+        self.params = req.params
+        self.eos_token_id = req.eos_token_id
+        self.output_token_ids = req.output_token_ids + list(drafts)
+        self.all_token_ids = req.all_token_ids + list(drafts)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+
+def _ahead_rows(requests: list[Request], drafts: list[Sequence[int]]) -> list[Any]:
+    """One entry per verified row: the request itself where nothing reads its history
+    (no penalty, min_tokens reached), else the request as of that row (`_Ahead`)."""
+    rows: list[Any] = []
+    for req, d in zip(requests, drafts):
+        p = req.params
+        reads_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
+                         or req.num_output_tokens < p.min_tokens)
+        if not reads_history:
+            rows.extend([req] * (len(d) + 1))
+        else:
+            rows.append(req)
+            rows.extend(_Ahead(req, d[:j]) for j in range(1, len(d) + 1))
+    return rows

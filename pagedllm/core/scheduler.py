@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.request import Request, RequestStatus
+from pagedllm.core.spec_decode import SpecStats
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,8 @@ class ScheduledRequest:
     num_computed_tokens: int  # tokens already in the cache before this step
     block_ids: tuple[int, ...]
     samples: bool  # this step reaches the end of the request's tokens, so a token is sampled
+    # the drafts this step verifies: the request's proposal, cut where the token budget cut it
+    spec_token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,11 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, enable_chunked_prefill: bool = True) -> None:
+                 max_model_len: int, enable_chunked_prefill: bool = True, num_lookahead_slots: int = 0) -> None:
         self.block_manager = block_manager
+        # KV slots reserved past a sampling request's scheduled tokens (a draft model's writes)
+        self.num_lookahead_slots = num_lookahead_slots
+        self.spec_stats = SpecStats()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -72,7 +78,7 @@ class Scheduler:
         while queue and budget > 0:
             req = queue.pop(0)
             num_new = min(req.num_tokens_with_spec - req.num_computed_tokens, budget)
-            while not self.block_manager.allocate_slots(req, num_new):
+            while not self.block_manager.allocate_slots(req, self._slots(req, num_new)):
                 victim = queue.pop() if queue else req
                 self._preempt(victim)
                 preempted.append(victim.request_id)
@@ -92,7 +98,7 @@ class Scheduler:
             if num_new > budget and not self.enable_chunked_prefill:
                 break
             num_new = min(num_new, budget)
-            if not self.block_manager.allocate_slots(req, num_new, computed):
+            if not self.block_manager.allocate_slots(req, self._slots(req, num_new, num_cached), computed):
                 break
             self.waiting.popleft()
             if req.metrics.first_scheduled_time is None:
@@ -106,10 +112,19 @@ class Scheduler:
             budget -= num_new
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
+    def _slots(self, req: Request, num_new: int, computed: int | None = None) -> int:
+        """New tokens plus the lookahead slots of a step that samples, within max_model_len."""
+        computed = req.num_computed_tokens if computed is None else computed
+        if not self.num_lookahead_slots or computed + num_new < req.num_tokens:
+            return num_new
+        return max(num_new, min(num_new + self.num_lookahead_slots, self.max_model_len - computed))
+
     def _entry(self, req: Request, num_new: int) -> ScheduledRequest:
+        end = req.num_computed_tokens + num_new
+        drafts = tuple(req.spec_token_ids[:end - req.num_tokens]) if end > req.num_tokens else ()
         return ScheduledRequest(req, num_new, req.num_computed_tokens,
                                 tuple(self.block_manager.block_ids(req.request_id)),
-                                samples=req.num_computed_tokens + num_new >= req.num_tokens)
+                                samples=end >= req.num_tokens, spec_token_ids=drafts)
 
     def _preempt(self, req: Request) -> None:
         """Free the request's blocks and send it back to the head of the queue (recompute)."""
@@ -121,21 +136,27 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(req)
 
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, list[int]]) -> list[Request]:
-        """Advance computed tokens, append sampled tokens, and finish requests that hit a
-        token-level stop (EOS, stop_token_ids, max_tokens, max_model_len). Returns the
-        requests that received tokens this step."""
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: dict[str, list[int]]) -> list[tuple[Request, list[int]]]:
+        """Advance computed tokens, append sampled tokens (the accepted drafts and the
+        target's own token), and finish requests that hit a token-level stop (EOS,
+        stop_token_ids, max_tokens, max_model_len): tokens after a stop inside an accepted
+        run are dropped. Returns each request that received tokens with the ones appended."""
         touched = []
         for entry in out.scheduled:
             req = entry.request
             tokens = sampled.get(req.request_id, [])
-            # speculative tokens past the first rejected one were computed in vain
-            num_rejected = len(req.spec_token_ids) - (len(tokens) - 1) if tokens else 0
+            # drafts past the first rejected one were computed in vain
+            num_rejected = len(entry.spec_token_ids) - (len(tokens) - 1) if tokens else 0
+            if entry.spec_token_ids and tokens:
+                self.spec_stats.record(len(entry.spec_token_ids), len(tokens) - 1)
             req.num_computed_tokens = entry.num_computed_tokens + entry.num_new_tokens - num_rejected
             req.spec_token_ids = []
             reason = None
+            appended = 0
             for token in tokens:
                 req.append_token(token)
+                appended += 1
                 if req.metrics.first_token_time is None:
                     req.metrics.first_token_time = time.monotonic()
                 reason = self._token_stop(req, token)
@@ -145,7 +166,7 @@ class Scheduler:
             if reason:
                 self.finish(req, reason)
             if tokens:
-                touched.append(req)
+                touched.append((req, tokens if appended == len(tokens) else tokens[:appended]))
         return touched
 
     def _token_stop(self, req: Request, token: int) -> RequestStatus | None:

@@ -11,7 +11,7 @@ import logging
 import mmap
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -23,11 +23,18 @@ from pagedllm.core.contracts import (
     AttentionSpec,
     BatchLayout,
     CausalLM,
+    DraftModel,
     EmbeddingMethod,
     GraphRunner,
+    KVCacheSpec,
     LinearMethod,
     ModelContext,
+    ProposalBatch,
+    ProposerContext,
     QuantConfig,
+    SpecDecodeConfig,
+    SpecProposer,
+    TargetStep,
 )
 from pagedllm.core.loader import ModelSource
 from pagedllm.core.memory import GiB, KVBudget, cpu_kv_bytes, plan_kv_cache
@@ -117,7 +124,8 @@ class StepResult:
 
 class Worker:
     def __init__(self, config: EngineConfig, source: ModelSource, registry: PluginRegistry,
-                 max_model_len: int, max_num_batched_tokens: int) -> None:
+                 max_model_len: int, max_num_batched_tokens: int,
+                 spec_config: SpecDecodeConfig | None = None) -> None:
         self.config = config
         self.device = torch.device(config.device.resolved_device())
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device.type)
@@ -126,55 +134,109 @@ class Worker:
         self.max_num_batched_tokens = max_num_batched_tokens
         torch.manual_seed(config.model.seed)
 
+        self.registry = registry
         model_cls = registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
         quant = _quant_config(config.model.quantization, source, registry, config.plugin_options)
-        if quant is not None:
-            reasons = quant.check(self.device, self.dtype)
-            if reasons:
-                raise ValueError(f"quantization {quant.name!r} cannot run here: {'; '.join(reasons)}")
-            quant.bind(model_cls.packed_modules_mapping)
         self.matmul_precision = "highest"
         if self.dtype == torch.float32:
             self.matmul_precision, why = precision.resolve(
                 envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION"), config.model.dtype, quant is not None)
             logger.info("float32 matmul precision %s (%s)", self.matmul_precision, why)
-        kv_dtype_name = config.cache.kv_cache_dtype
         self.kv_spec = model_cls.kv_cache_spec(source.hf_config)
-        self.attn_spec = AttentionSpec(num_heads=self.kv_spec.num_heads, num_kv_heads=self.kv_spec.num_kv_heads,
-                                       head_size=self.kv_spec.head_size, dtype=self.dtype,
-                                       kv_cache_dtype=kv_dtype_name, block_size=self.block_size,
-                                       device=self.device, matmul_precision=self.matmul_precision)
+        self.attn_spec = self._attention_spec(self.kv_spec)
         requested, decided_by = _requested_backend(config)
         self.backend = registry.attention_backend(requested, self.attn_spec)
         logger.info("attention backend %s (%s)", self.backend.name, decided_by)
         self.kv_dtype = self.backend.kv_cache_dtype(self.attn_spec)
-
-        ctx = ModelContext(hf_config=source.hf_config, dtype=self.dtype, device=self.device,
-                           attention_backend=self.backend, kv_cache_dtype=kv_dtype_name,
-                           block_size=self.block_size, quant_config=quant,
-                           extra=dict(config.plugin_options))
         if self.device.type == "cpu":
             logger.info("CPU threads: %s", cpu_threads.apply(envs.get("PAGEDLLM_CPU_OMP_THREADS_BIND")))
         start = time.perf_counter()
-        with precision.matmul_precision(self.matmul_precision):
-            with torch.device(self.device):
-                self.model: CausalLM = model_cls(ctx)
-            weights = source.weights()
-            self.model.load_weights(quant.weights(weights, self.model) if quant is not None else weights)
-            process_after_loading(self.model)
-        self.model.eval()
+        self.model: CausalLM = self._build_model(model_cls, source, quant)
         logger.info("loaded %s weights in %.1fs", type(self.model).__name__, time.perf_counter() - start)
         self.builder = self.backend.builder_cls()(self.attn_spec)
-        self.budget = self._plan_memory()
-        spec = self.kv_spec
-        shape = self.backend.kv_cache_shape(self.budget.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
-        self.kv_caches = [zeroed(shape, self.kv_dtype, self.device) for _ in range(spec.num_layers)]
+        self.proposer: SpecProposer | None = None
+        if spec_config is not None:
+            self.proposer = self._proposer(spec_config, source)
+        draft_spec = self.proposer.kv_cache_spec() if self.proposer is not None else None
+        self.budget = self._plan_memory(draft_spec)
+        self.kv_caches = self._allocate(self.kv_spec)
+        if draft_spec is not None:
+            self.proposer.bind_kv_caches(self._allocate(draft_spec))
         self.sampler = Sampler(config.model.seed, self.device)
         self.graph_runner = None if config.device.enforce_eager else self._graph_runner(registry)
+        self._last_step: TargetStep | None = None
 
     # ------------------------------------------------------------------ set-up helpers
 
-    def _graph_runner(self, registry: PluginRegistry) -> GraphRunner | None:
+    def _attention_spec(self, kv_spec: KVCacheSpec) -> AttentionSpec:
+        return AttentionSpec(num_heads=kv_spec.num_heads, num_kv_heads=kv_spec.num_kv_heads,
+                             head_size=kv_spec.head_size, dtype=self.dtype,
+                             kv_cache_dtype=self.config.cache.kv_cache_dtype, block_size=self.block_size,
+                             device=self.device, matmul_precision=self.matmul_precision)
+
+    def _build_model(self, model_cls: type[CausalLM], source: ModelSource, quant: QuantConfig | None) -> CausalLM:
+        """Build a model on this worker's device, dtype and attention backend, and load its
+        weights through `quant` (the target's model, or a proposer's draft)."""
+        if quant is not None:
+            reasons = quant.check(self.device, self.dtype)
+            if reasons:
+                raise ValueError(f"quantization {quant.name!r} cannot run here: {'; '.join(reasons)}")
+            quant.bind(model_cls.packed_modules_mapping)
+        ctx = ModelContext(hf_config=source.hf_config, dtype=self.dtype, device=self.device,
+                           attention_backend=self.backend, kv_cache_dtype=self.config.cache.kv_cache_dtype,
+                           block_size=self.block_size, quant_config=quant, extra=dict(self.config.plugin_options))
+        with precision.matmul_precision(self.matmul_precision):
+            with torch.device(self.device):
+                model = model_cls(ctx)
+            weights = source.weights()
+            model.load_weights(quant.weights(weights, model) if quant is not None else weights)
+            process_after_loading(model)
+        return model.eval()
+
+    def load_draft_model(self, path: str, quantization: str | None) -> DraftModel:
+        """A proposer's model, built the way the target was (`ProposerContext.load_model`)."""
+        from pagedllm.core.loader import open_model
+
+        source = open_model(path, "auto", self.registry, self.config.plugin_options)
+        model_cls = self.registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
+        kv_spec = model_cls.kv_cache_spec(source.hf_config)
+        attn_spec = self._attention_spec(kv_spec)
+        reasons = self.backend.check(attn_spec)
+        if reasons:
+            raise ValueError(f"the draft model {path} cannot run on the target's attention backend "
+                             f"{self.backend.name}: {'; '.join(reasons)}")
+        if self.backend.kv_cache_dtype(attn_spec) != self.kv_dtype:
+            raise ValueError(f"the draft model {path} would keep its KV cache in "
+                             f"{self.backend.kv_cache_dtype(attn_spec)}, the target in {self.kv_dtype}: "
+                             "give both the same dtype")
+        quant = _quant_config(quantization, source, self.registry, self.config.plugin_options)
+        start = time.perf_counter()
+        model = self._build_model(model_cls, source, quant)
+        logger.info("loaded draft %s from %s in %.1fs", type(model).__name__, path, time.perf_counter() - start)
+        builder = self.backend.builder_cls()(attn_spec)
+        runner = None if self.config.device.enforce_eager else self._graph_runner(self.registry, model)
+        run = runner if runner is not None else (lambda layout, attn: model(layout.input_ids, layout.positions, attn))
+        return DraftModel(model=model, hf_config=source.hf_config, tokenizer=source.tokenizer,
+                          kv_spec=kv_spec, build_metadata=builder.build, run=run)
+
+    def _proposer(self, spec: SpecDecodeConfig, source: ModelSource) -> SpecProposer:
+        cls = self.registry.spec_method(spec.method)
+        context = ProposerContext(config=spec, target=self.model, hf_config=source.hf_config,
+                                  tokenizer=source.tokenizer, device=self.device, dtype=self.dtype,
+                                  max_model_len=self.max_model_len, block_size=self.block_size,
+                                  load_model=self.load_draft_model, make_layout=self._layout)
+        proposer = cls(context)
+        layers = proposer.aux_hidden_state_layers
+        if layers:
+            self.model.set_aux_hidden_state_layers(tuple(layers))
+        logger.info("speculative decoding: %s, %d draft tokens per step", spec.method, spec.num_speculative_tokens)
+        return proposer
+
+    def _allocate(self, spec: KVCacheSpec) -> list[torch.Tensor]:
+        shape = self.backend.kv_cache_shape(self.budget.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+        return [zeroed(shape, self.kv_dtype, self.device) for _ in range(spec.num_layers)]
+
+    def _graph_runner(self, registry: PluginRegistry, model: torch.nn.Module | None = None) -> GraphRunner | None:
         """What replays captured steps instead of calling the model (CUDA graphs, CPU step
         replay), if any runs here with this attention backend."""
         runner_cls = registry.graph_runner(self.device, self.backend)
@@ -182,10 +244,13 @@ class Worker:
             logger.info("graph capture: none runs here with %s; every step runs eagerly", self.backend.name)
             return None
         logger.info("graph capture: %s (--enforce-eager turns it off)", runner_cls.name)
-        return runner_cls(self.model, self.backend)
+        return runner_cls(self.model if model is None else model, self.backend)
 
-    def _plan_memory(self) -> KVBudget:
-        bytes_per_token = self.kv_spec.bytes_per_token(torch.empty((), dtype=self.kv_dtype).element_size())
+    def _plan_memory(self, draft_spec: KVCacheSpec | None = None) -> KVBudget:
+        element = torch.empty((), dtype=self.kv_dtype).element_size()
+        bytes_per_token = self.kv_spec.bytes_per_token(element)
+        if draft_spec is not None:  # a proposer's layers share the target's block table
+            bytes_per_token += draft_spec.bytes_per_token(element)
         cache = self.config.cache
         if self.device.type == "cuda":
             available, source = self._profile_cuda(bytes_per_token)
@@ -259,11 +324,14 @@ class Worker:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         entries = out.scheduled
+        if self.proposer is not None:
+            for request_id in out.preempted_ids:
+                self.proposer.forget(request_id)
         tokens = []
         for e in entries:
-            req = e.request
-            ids = req.all_token_ids + req.spec_token_ids if req.spec_token_ids else req.all_token_ids
-            tokens.append(ids[e.num_computed_tokens:e.num_computed_tokens + e.num_new_tokens])
+            ids = e.request.all_token_ids
+            start, end = e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens
+            tokens.append(ids[start:end] if not e.spec_token_ids else ids[start:] + list(e.spec_token_ids))
         layout = self._layout(tokens, [e.num_computed_tokens for e in entries],
                               [e.num_new_tokens for e in entries], [list(e.block_ids) for e in entries])
         attn = AttentionContext(self.builder.build(layout), self.kv_caches)
@@ -271,19 +339,69 @@ class Worker:
             hidden = self.graph_runner(layout, attn)
         else:
             hidden = self.model(layout.input_ids, layout.positions, attn)
+        aux: list[torch.Tensor] = []
+        if self.proposer is not None and self.proposer.aux_hidden_state_layers:
+            hidden, *aux = hidden.chunk(1 + len(self.proposer.aux_hidden_state_layers), dim=-1)
+        if self.proposer is not None and self.proposer.needs_target_step:
+            self._last_step = TargetStep(layout, hidden, aux, {e.request.request_id: i for i, e in enumerate(entries)})
         sampling = [i for i, e in enumerate(entries) if e.samples]
         if not sampling:
             return StepResult({}, {})
-        rows = (layout.query_start_loc_cpu[1:][sampling] - 1).to(self.device)
-        logits = self.model.compute_logits(hidden[rows])
         requests: list[Request] = [entries[i].request for i in sampling]
-        result: SamplerOutput = self.sampler(logits, requests)
-        sampled = {r.request_id: [t] for r, t in zip(requests, result.token_ids)}
-        logprobs = {r.request_id: [lp] for r, lp in zip(requests, result.logprobs) if lp is not None}
+        ends = layout.query_start_loc_cpu[1:]
+        if not any(entries[i].spec_token_ids for i in sampling):
+            rows = (ends[sampling] - 1).to(self.device)
+            logits = self.model.compute_logits(hidden[rows])
+            result: SamplerOutput = self.sampler(logits, requests)
+            sampled = {r.request_id: [t] for r, t in zip(requests, result.token_ids)}
+            logprobs = {r.request_id: [lp] for r, lp in zip(requests, result.logprobs) if lp is not None}
+            return StepResult(sampled, logprobs)
+        # a verify step: the rows of each request's next token and of its drafts
+        drafts = [entries[i].spec_token_ids for i in sampling]
+        last = ends[sampling].tolist()
+        rows_list = [r for end, d in zip(last, drafts) for r in range(end - 1 - len(d), end)]
+        logits = self.model.compute_logits(hidden[torch.tensor(rows_list, device=self.device)])
+        token_lists, logprob_lists = self.sampler.verify(logits, requests, drafts)
+        sampled = {r.request_id: ts for r, ts in zip(requests, token_lists)}
+        logprobs = {r.request_id: lps for r, lps in zip(requests, logprob_lists) if r.params.logprobs is not None}
         return StepResult(sampled, logprobs)
+
+    @torch.inference_mode()
+    def propose(self, appended: list[tuple[Request, list[int], int, Sequence[int]]]) -> dict[str, list[int]]:
+        """Drafts for the requests that decode next: (request, tokens the step appended,
+        drafts accepted, its KV block ids) each; none where none may be proposed."""
+        proposer = self.proposer
+        if proposer is None or not appended:
+            return {}
+        cutoff = proposer.context.config.disable_by_batch_size
+        step, self._last_step = self._last_step, None
+        if cutoff is not None and len(appended) >= cutoff:
+            return {}
+        k = proposer.k
+        caps = []
+        for req, _, _, _ in appended:
+            room = self.max_model_len - req.num_tokens - 1
+            if req.params.max_tokens is not None:
+                room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
+            caps.append(max(0, min(k, room)))
+        if not any(caps):
+            return {}
+        batch = ProposalBatch(
+            request_ids=[r.request_id for r, _, _, _ in appended],
+            token_ids=[r.all_token_ids for r, _, _, _ in appended],
+            num_prompt_tokens=[r.num_prompt_tokens for r, _, _, _ in appended],
+            num_new_tokens=[len(t) for _, t, _, _ in appended],
+            num_accepted=[a for _, _, a, _ in appended],
+            max_drafts=caps,
+            block_ids=[b for _, _, _, b in appended],
+            step=step)
+        drafts = proposer.propose(batch)
+        return {rid: list(d[:cap]) for rid, d, cap in zip(batch.request_ids, drafts, caps) if cap and len(d)}
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+        if self.proposer is not None:
+            self.proposer.forget(request_id)
 
 
 def _requested_backend(config: EngineConfig) -> tuple[str | None, str]:

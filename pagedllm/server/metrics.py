@@ -71,6 +71,17 @@ class _EngineCollector(Collector):
         yield counter("prompt_tokens", "Prompt tokens received (per sequence).", stats.num_prompt_tokens)
         yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
         yield counter("engine_steps", "Engine steps run.", stats.num_steps)
+        if core.spec_config is not None:
+            spec = core.scheduler.spec_stats
+            yield counter("spec_decode_num_drafts", "Proposals verified (one per request per step).", spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
+            family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                         "Draft tokens accepted at each draft position.",
+                                         labels=labels + ["position"])
+            for position, count in enumerate(spec.accepted_per_position):
+                family.add_metric(values + [str(position)], count)
+            yield family
 
 
 class ServerMetrics:

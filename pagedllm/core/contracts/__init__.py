@@ -5,7 +5,8 @@ One module per plugin kind; every name is importable from here:
 - `attention`: attention backends (`AttentionBackend`, its metadata builder and
   per-layer impl), the flattened batch they read (`BatchLayout`), `GraphSupport`;
 - `quant`: quantizers (`QuantConfig` -> `LinearMethod` / `EmbeddingMethod` per layer);
-- `spec`: speculative proposers (`SpecProposer`);
+- `spec`: speculative proposers (`SpecProposer`, what they get: `ProposerContext`,
+  `ProposalBatch`, `TargetStep`; the draft models they load: `DraftModel`);
 - `model`: model architectures (`CausalLM`, `KVCacheSpec`, `ModelContext`) and
   checkpoint formats (`CheckpointFormat`: a file type such as GGUF that carries config,
   tokenizer and weights together);
@@ -17,7 +18,7 @@ Data crossing a boundary is a frozen dataclass; behaviour is a small ABC.
 
 from pagedllm.core.contracts.attention import BatchLayout, AttentionSpec, AttentionMetadataBuilder, AttentionImpl, GraphSupport, AttentionBackend, AttentionContext, KV_CACHE_TORCH_DTYPES, kv_cache_torch_dtype
 from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, QuantConfig, skip_matches
-from pagedllm.core.contracts.spec import SpecProposer
+from pagedllm.core.contracts.spec import CORE_KEYS as SPEC_CORE_KEYS, DraftModel, ProposalBatch, ProposerContext, SpecDecodeConfig, SpecProposer, TargetStep
 from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat
 from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
 
@@ -39,7 +40,13 @@ __all__ = [
     "ModelContext",
     "OpImpl",
     "QuantConfig",
+    "DraftModel",
+    "ProposalBatch",
+    "ProposerContext",
+    "SPEC_CORE_KEYS",
+    "SpecDecodeConfig",
     "SpecProposer",
+    "TargetStep",
     "kv_cache_torch_dtype",
     "skip_matches",
 ]

@@ -148,6 +148,10 @@ class AttentionBackend(ABC):
     priority: ClassVar[dict[str, int]] = {}
     # Which steps a graph runner may capture with this backend's metadata (see GraphRunner).
     graph_support: ClassVar[GraphSupport] = GraphSupport.NEVER
+    # With GraphSupport.DECODE: steps whose every request has at most this many query
+    # tokens have metadata whose shapes depend on the batch shape alone (1: decodes only;
+    # more lets speculative verify steps, 1 + k tokens per request, be captured too).
+    graph_max_query_len: ClassVar[int] = 1
 
     @classmethod
     @abstractmethod

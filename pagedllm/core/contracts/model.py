@@ -65,6 +65,14 @@ class CausalLM(nn.Module, ABC):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] for the flattened batch."""
 
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        """From now on, `forward` returns [num_tokens, (1 + len(layers)) x hidden]: the
+        final hidden states, then the hidden state entering each listed decoder layer
+        (0-based; the residual stream there), side by side (one tensor, so that a replayed
+        step returns them too). EAGLE-3 reads them."""
+        raise NotImplementedError(f"{type(self).__name__} cannot return inner layers' hidden states "
+                                  "(a speculative method asked for them)")
+
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab_size] (float32) for the rows that need a token."""

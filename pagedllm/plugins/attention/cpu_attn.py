@@ -107,6 +107,8 @@ class CpuAttnBackend(AttentionBackend):
     # every kernel is native and the metadata's shapes depend only on the batch shape
     # (block tables padded, see BLOCK_TABLE_WIDTH_STEP): decode steps can be replayed
     graph_support = GraphSupport.DECODE
+    # every query up to NATIVE_MAX_QUERY_LEN goes to the native kernel (no per-request group)
+    graph_max_query_len = NATIVE_MAX_QUERY_LEN
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:

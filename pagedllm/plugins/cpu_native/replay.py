@@ -58,6 +58,10 @@ ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty"})
 # bytes of intermediate tensors (least recently used graphs are dropped first).
 MAX_ROWS = 64
 MAX_BYTES = 256 << 20
+# Steps with longer queries run eagerly even where the backend's metadata would allow a
+# capture: a decode has 1 query token per request, a speculative verify step 1 + k;
+# prefill chunks rarely repeat a shape.
+MAX_QUERY_LEN = 32
 # A graph with torch ops is kept only if its first replay beat the eager run it is checked
 # against: replaying re-runs each op and copies its result into the recorded tensor, and
 # keeps every intermediate alive, which costs more than it saves once the ops dominate
@@ -189,9 +193,10 @@ class StepGraph:
 
 
 class StepReplayer(GraphRunner):
-    """Runs decode steps (one query row per request) through recorded graphs, one per
-    batch shape, recording on the second sight (the first runs eagerly, as a warm-up);
-    other steps run eagerly."""
+    """Runs decode and speculative verify steps (up to MAX_QUERY_LEN query rows per
+    request, as the backend's `graph_max_query_len` allows) through recorded graphs, one
+    per batch shape, recording on the second sight (the first runs eagerly, as a
+    warm-up); other steps run eagerly."""
 
     name = "cpu_replay"
     priority = {"cpu": 100}
@@ -211,6 +216,7 @@ class StepReplayer(GraphRunner):
                  max_bytes: int = MAX_BYTES) -> None:
         super().__init__(model, backend)
         self.max_rows, self.max_bytes = max_rows, max_bytes
+        self.max_query_len = min(MAX_QUERY_LEN, backend.graph_max_query_len)
         self.graphs: OrderedDict[tuple, StepGraph | None] = OrderedDict()  # None: not replayable
         # shapes seen once: a shape is recorded on its second step, so that whatever a
         # forward builds lazily on its first call (cached norm weights) is not recorded
@@ -220,7 +226,7 @@ class StepReplayer(GraphRunner):
 
     def __call__(self, layout: BatchLayout, attn: AttentionContext) -> torch.Tensor:
         rows = layout.input_ids.shape[0]
-        if self.off or layout.max_query_len != 1 or rows > self.max_rows:
+        if self.off or rows > self.max_rows or layout.max_query_len > self.max_query_len:
             return self.model(layout.input_ids, layout.positions, attn)
         inputs = step_inputs(layout, attn.metadata)
         key = step_key(inputs, attn.metadata)

@@ -119,13 +119,18 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(llama_kv_cache_spec(cfg).head_size, cfg.max_position_embeddings, theta,
                                       scaling)
 
+        self.aux_layers: tuple[int, ...] = ()
+
     def forward(self, input_ids, positions, attn):
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions)
-        for layer in self.layers:
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                aux.append(x if residual is None else x + residual)
             x, residual = layer(rope, x, residual, attn)
         x, _ = self.norm(x, residual)
-        return x
+        return torch.cat([x, *aux], dim=-1) if aux else x
 
 
 class LlamaForCausalLM(CausalLM):
@@ -152,6 +157,12 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, attn):
         return self.model(input_ids, positions, attn)
+
+    def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        bad = [i for i in layers if not 0 <= i < len(self.model.layers)]
+        if bad:
+            raise ValueError(f"hidden-state layers {bad} are outside this model's {len(self.model.layers)} layers")
+        self.model.aux_layers = tuple(layers)
 
     def compute_logits(self, hidden_states):
         head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head

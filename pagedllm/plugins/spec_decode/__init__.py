@@ -1,14 +1,27 @@
-"""Speculative-decoding proposers: none is built yet, so this package registers nothing.
+"""Built-in speculative-decoding proposers (`--speculative-config '{"method": ...}'`).
 
-`--speculative-config` is refused at start-up (`core/config.py`, SpecConfig) until the
-speculative-decoding issue lands. What exists in the core, and where a proposer plugs in:
-
-- contract: `core/contracts.py` `SpecProposer.propose(token_ids, k)`; hook
-  `pagedllm_spec_methods` (core/hookspecs.py); lookup `PluginRegistry.spec_method`.
-- scheduling: a request's `spec_token_ids` (core/request.py) are scheduled with its next
-  token as 1 + k tokens, and `Scheduler.update_from_output` rolls back the KV of rejected
-  proposals (tests/core/test_scheduler.py covers both).
-- missing: a proposer call before each step (engine), verification of the k + 1
-  positions with a rejection sampler (core/sampler.py), a step yielding several tokens
-  per request (worker.StepResult already maps each request to a token list).
+Each maps a method name to (module, class) under this package, imported when the plugin
+manager asks; a proposer's heavy imports (a suffix-tree library, a draft model) wait for
+its construction. The core verifies every proposal (core/sampler.py `Sampler.verify`),
+so a proposer only decides how many tokens are accepted, never which tokens come out.
 """
+
+from __future__ import annotations
+
+import importlib
+
+from pagedllm import hookimpl
+
+_SPEC_METHODS = {
+    "ngram": ("ngram", "NgramProposer"),
+    "suffix": ("suffix", "SuffixProposer"),
+    "draft_model": ("draft_model", "DraftModelProposer"),
+    "eagle": ("eagle", "EagleProposer"),  # refused: what is missing is in eagle.py
+    "eagle3": ("eagle", "Eagle3Proposer"),
+}
+
+
+@hookimpl
+def pagedllm_spec_methods():
+    return {name: getattr(importlib.import_module(f"{__name__}.{module}"), cls)
+            for name, (module, cls) in _SPEC_METHODS.items()}

@@ -1,0 +1,125 @@
+"""The proposers on their own, the checked `--speculative-config`, and the start-up
+errors a user meets (unknown keys, a draft with another tokenizer)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from pagedllm import LLM, SamplingParams
+from pagedllm.core.plugins import get_registry
+from pagedllm.core.spec_decode import SpecStats, resolve_spec_config
+from pagedllm.plugins.spec_decode.ngram import propose_ngram
+
+
+def brute_force_ngram(tokens: list[int], lo: int, hi: int, k: int) -> list[int]:
+    """The module doc's rule, one position at a time."""
+    n_tok = len(tokens)
+    for n in range(min(hi, n_tok - 1), lo - 1, -1):
+        suffix = tokens[n_tok - n:]
+        ends = [e for e in range(n - 1, n_tok - 1) if tokens[e - n + 1:e + 1] == suffix]
+        if ends:
+            full = [e for e in ends if e <= n_tok - 1 - k]
+            e = full[-1] if full else ends[0]
+            return tokens[e + 1:e + 1 + k]
+    return []
+
+
+def test_ngram_matches_a_brute_force_search():
+    rng = random.Random(0)
+    histories, want, caps = [], [], []
+    for trial in range(300):
+        alphabet = rng.choice([2, 3, 5, 20])
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 60))]
+        lo = rng.randrange(1, 4)
+        hi = lo + rng.randrange(0, 4)
+        k = rng.randrange(1, 6)
+        got = propose_ngram([np.array(tokens)], lo, hi, [k])[0]
+        assert got == brute_force_ngram(tokens, lo, hi, k), f"trial {trial}: {tokens} lo={lo} hi={hi} k={k}"
+        histories.append(np.array(tokens))
+        want.append(brute_force_ngram(tokens, 2, 3, 4))
+        caps.append(4)
+    assert propose_ngram(histories, 2, 3, caps) == want, "a batch must give what each request gives alone"
+
+
+def test_ngram_examples():
+    assert propose_ngram([np.array([1, 2, 3, 9, 9, 1, 2, 3])], 2, 3, [2]) == [[9, 9]]
+    assert propose_ngram([np.array([1, 2, 3, 4])], 1, 3, [3]) == [[]], "no earlier occurrence"
+    assert propose_ngram([np.array([7, 7, 7, 7, 7])], 2, 2, [3]) == [[7, 7, 7]], "a periodic run: k tokens"
+    assert propose_ngram([np.array([1, 2, 1, 2])], 2, 2, [0]) == [[]], "no room for drafts"
+
+
+def test_config_defaults_and_errors():
+    registry = get_registry()
+    cfg = resolve_spec_config({"method": "ngram", "num_speculative_tokens": 4}, registry)
+    assert (cfg.options["prompt_lookup_min"], cfg.options["prompt_lookup_max"]) in ((None, None),)
+    cfg = resolve_spec_config({"model": "/a/draft", "num_speculative_tokens": 2}, registry)
+    assert cfg.method == "draft_model", "vLLM: a config with a model and no method is a draft model"
+    assert resolve_spec_config({"method": "suffix"}, registry).num_speculative_tokens == 24
+    assert resolve_spec_config({}, registry) is None
+    errors = [
+        ({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 5, "prompt_lookup_max": 2},
+         "prompt_lookup_min=5 must be <= prompt_lookup_max=2"),
+        ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"model\""),
+        ({"method": "suffix", "suffix_decoding_min_token_prob": 2}, "suffix_decoding_min_token_prob must be"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size"),
+        ({"num_speculative_tokens": 2}, "needs a \"method\""),
+    ]
+    for raw, message in errors:
+        with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+            resolve_spec_config(raw, registry)
+    with pytest.raises(ValueError, match="valid keys: .*prompt_lookup_max"):
+        resolve_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup": 3}, registry)
+
+
+def test_eagle_is_refused_with_what_is_missing():
+    with pytest.raises(NotImplementedError, match="EAGLE"):
+        resolve_spec_config({"method": "eagle3", "model": "/a/head", "num_speculative_tokens": 3}, get_registry())
+
+
+def test_spec_stats():
+    stats = SpecStats()
+    stats.record(3, 2)
+    stats.record(3, 0)
+    stats.record(0, 0)  # a step without drafts is no draft
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (2, 6, 2)
+    assert stats.accepted_per_position == [1, 1, 0]
+    assert stats.acceptance_rate == pytest.approx(1 / 3)
+    assert stats.mean_acceptance_length == pytest.approx(2.0)
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):
+    target = tiny_model_dir("llama")
+    other = tiny_model_dir("llama", vocab_size=640)
+    with pytest.raises(ValueError, match="vocab_size 640"):
+        LLM(str(target), kv_cache_memory=1 << 24, speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+def test_draft_of_another_architecture_and_size(tiny_model_dir):
+    """A draft smaller than the target (other depth, width and architecture, same
+    tokenizer) still leaves the greedy output unchanged."""
+    target = tiny_model_dir("llama")
+    draft = tiny_model_dir("qwen2", num_hidden_layers=1, hidden_size=32, intermediate_size=64, seed=5)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    ids = [{"prompt_token_ids": [5, 6, 7, 8] * 4}, {"prompt_token_ids": [9, 3, 200]}]
+    base = [o.outputs[0].token_ids for o in LLM(str(target), kv_cache_memory=1 << 24).generate(ids, params)]
+    engine = LLM(str(target), kv_cache_memory=1 << 24,
+                 speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in engine.generate(ids, params)] == base
+    assert engine.engine.scheduler.spec_stats.num_drafts > 0
+
+
+def test_verify_steps_are_replayed_on_the_cpu(tiny_model_dir):
+    """Step replay captures verify steps (1 + k query rows per request), not only decodes."""
+    model = tiny_model_dir("llama")
+    engine = LLM(str(model), kv_cache_memory=1 << 24, speculative_config={"model": str(model), "num_speculative_tokens": 3})
+    engine.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    runner = engine.engine.worker.graph_runner
+    assert runner is not None and not runner.off
+    recorded = [key for key, graph in runner.graphs.items() if graph is not None and graph.verified]
+    shapes = [dict((name, shape) for name, shape, *_ in key if isinstance(name, str) and name == "input_ids")
+              for key in recorded]
+    assert any(s.get("input_ids") == (4,) for s in shapes), f"no 4-row verify step was replayed: {shapes}"
