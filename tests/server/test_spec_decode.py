@@ -8,7 +8,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog. The quick brown fox"
 
 
 def test_streams_and_metrics_with_a_draft_model(start_server, server_model_path) -> None:
-    spec = {"model": server_model_path, "num_speculative_tokens": 3}
+    spec = {"model": server_model_path, "num_speculative_tokens": 3, "adaptive": False}
     request = dict(model="tiny", prompt=PROMPT, max_tokens=20, temperature=0.0, logprobs=1)
     with start_server() as plain, plain.openai() as client:
         want = client.completions.create(**request)

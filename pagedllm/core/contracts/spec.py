@@ -32,6 +32,7 @@ CORE_KEYS: dict[str, str] = {
     "max_model_len": "accepted; the target's context length applies to the draft too",
     "revision": "accepted for compatibility (pagedllm loads local paths only)",
     "enforce_eager": "accepted; the target's --enforce-eager applies to the draft too",
+    "adaptive": "pagedllm's own (default true): speculate only at batch sizes where it measured faster",
 }
 
 
@@ -45,6 +46,7 @@ class SpecDecodeConfig:
     model: str | None = None
     quantization: str | None = None
     disable_by_batch_size: int | None = None
+    adaptive: bool = True
     options: dict[str, Any] = field(default_factory=dict)
 
 

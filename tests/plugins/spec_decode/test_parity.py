@@ -1,4 +1,4 @@
-"""Speculative decoding is lossless: greedy output with every method equals the output
+"""Speculative decoding is lossless (speculation is forced on: `"adaptive": false`): greedy output with every method equals the output
 without speculation (tokens, text, finish reasons, logprobs) on tiny random models of each
 architecture, through chunked prefill, prefix caching, preemption and n > 1; stops inside
 an accepted run end the output where decoding one token at a time would; and sampled
@@ -21,9 +21,10 @@ LOGPROB_ATOL = 1e-4
 
 def methods(model_dir) -> dict[str, dict]:
     return {
-        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
-        "suffix": {"method": "suffix", "num_speculative_tokens": 6},
-        "draft_model": {"model": str(model_dir), "num_speculative_tokens": 3},
+        "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                  "adaptive": False},
+        "suffix": {"method": "suffix", "num_speculative_tokens": 6, "adaptive": False},
+        "draft_model": {"model": str(model_dir), "num_speculative_tokens": 3, "adaptive": False},
     }
 
 
@@ -120,7 +121,8 @@ def test_stops_inside_an_accepted_run(tiny_model_dir):
         SamplingParams(temperature=0.0, max_tokens=30, stop=stop_strings, logprobs=1),
         SamplingParams(temperature=0.0, max_tokens=30, stop=stop_strings, include_stop_str_in_output=True),
     ]
-    engine = llm(model, speculative_config={"model": str(model), "num_speculative_tokens": 4})
+    engine = llm(model, speculative_config={"model": str(model), "num_speculative_tokens": 4,
+                                                   "adaptive": False})
     base_engine = llm(model)
     for params in cases:
         base = generate(base_engine, ids, params)
@@ -167,7 +169,8 @@ def _distributions_differ(model, monkeypatch=None) -> tuple[float, float]:
     prompt = prompts(4)[1]
     vocab = 512
     base = _second_token_counts(llm(model), prompt, SAMPLES, vocab, seed=11)
-    spec = _second_token_counts(llm(model, speculative_config={"model": str(model), "num_speculative_tokens": 2}),
+    spec = _second_token_counts(llm(model, speculative_config={"model": str(model), "num_speculative_tokens": 2,
+                                                               "adaptive": False}),
                                 prompt, SAMPLES, vocab, seed=12)
     stat, dof = two_sample_chi_square(base, spec)
     return stat, chi2_critical(dof)

@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.plugins import get_registry
-from pagedllm.core.spec_decode import SpecStats, resolve_spec_config
+from pagedllm.core.spec_decode import PayoffGuard, SpecStats, resolve_spec_config
 from pagedllm.plugins.spec_decode.ngram import propose_ngram
 
 
@@ -80,6 +80,29 @@ def test_eagle_is_refused_with_what_is_missing():
         resolve_spec_config({"method": "eagle3", "model": "/a/head", "num_speculative_tokens": 3}, get_registry())
 
 
+def test_payoff_guard_keeps_the_faster_mode():
+    guard = PayoffGuard()
+
+    def run(steps: int, rate: dict[bool, float]) -> list[bool]:
+        modes = []
+        for _ in range(steps):
+            mode = guard.speculate(4)
+            guard.record(4, mode, 10, 10 / rate[mode])
+            modes.append(mode)
+        return modes
+
+    first = run(2 * guard.EPOCH, {True: 100.0, False: 300.0})
+    assert first == [True] * guard.EPOCH + [False] * guard.EPOCH, "one epoch of each mode first"
+    assert not any(run(100, {True: 100.0, False: 300.0})), "speculation measured slower: stay plain"
+    modes = run(guard.REVISIT, {True: 500.0, False: 300.0})
+    again = guard.REVISIT - 1 - 100  # steps already counted since the decision: the 100 above
+    assert modes[:again] == [False] * again
+    assert modes[again:again + 2 * guard.EPOCH] == [True] * guard.EPOCH + [False] * guard.EPOCH, \
+        "both modes are measured again after REVISIT steps"
+    assert all(run(100, {True: 500.0, False: 300.0})), "and speculation kept once it measures faster"
+    assert guard.speculate(64) is True, "another batch size is measured on its own"
+
+
 def test_spec_stats():
     stats = SpecStats()
     stats.record(3, 2)
@@ -107,7 +130,7 @@ def test_draft_of_another_architecture_and_size(tiny_model_dir):
     ids = [{"prompt_token_ids": [5, 6, 7, 8] * 4}, {"prompt_token_ids": [9, 3, 200]}]
     base = [o.outputs[0].token_ids for o in LLM(str(target), kv_cache_memory=1 << 24).generate(ids, params)]
     engine = LLM(str(target), kv_cache_memory=1 << 24,
-                 speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+                 speculative_config={"model": str(draft), "num_speculative_tokens": 3, "adaptive": False})
     assert [o.outputs[0].token_ids for o in engine.generate(ids, params)] == base
     assert engine.engine.scheduler.spec_stats.num_drafts > 0
 
@@ -115,7 +138,8 @@ def test_draft_of_another_architecture_and_size(tiny_model_dir):
 def test_verify_steps_are_replayed_on_the_cpu(tiny_model_dir):
     """Step replay captures verify steps (1 + k query rows per request), not only decodes."""
     model = tiny_model_dir("llama")
-    engine = LLM(str(model), kv_cache_memory=1 << 24, speculative_config={"model": str(model), "num_speculative_tokens": 3})
+    engine = LLM(str(model), kv_cache_memory=1 << 24,
+                 speculative_config={"model": str(model), "num_speculative_tokens": 3, "adaptive": False})
     engine.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
     runner = engine.engine.worker.graph_runner
     assert runner is not None and not runner.off
