@@ -182,9 +182,8 @@ class Worker:
             if reasons:
                 raise ValueError(f"quantization {quant.name!r} cannot run here: {'; '.join(reasons)}")
             quant.bind(model_cls.packed_modules_mapping)
-        ctx = ModelContext(hf_config=source.hf_config, dtype=self.dtype, device=self.device,
-                           attention_backend=self.backend, kv_cache_dtype=self.config.cache.kv_cache_dtype,
-                           block_size=self.block_size, quant_config=quant, extra=dict(self.config.plugin_options))
+        ctx = self._model_context(source.hf_config)
+        ctx.quant_config = quant
         with precision.matmul_precision(self.matmul_precision):
             with torch.device(self.device):
                 model = model_cls(ctx)
@@ -192,6 +191,18 @@ class Worker:
             model.load_weights(quant.weights(weights, model) if quant is not None else weights)
             process_after_loading(model)
         return model.eval()
+
+    def _model_context(self, hf_config: Any) -> ModelContext:
+        return ModelContext(hf_config=hf_config, dtype=self.dtype, device=self.device,
+                            attention_backend=self.backend, kv_cache_dtype=self.config.cache.kv_cache_dtype,
+                            block_size=self.block_size, extra=dict(self.config.plugin_options))
+
+    def _metadata_builder(self, kv_spec: KVCacheSpec):
+        attn_spec = self._attention_spec(kv_spec)
+        reasons = self.backend.check(attn_spec)
+        if reasons:
+            raise ValueError(f"the proposer's attention layers cannot run on {self.backend.name}: {'; '.join(reasons)}")
+        return self.backend.builder_cls()(attn_spec).build
 
     def load_draft_model(self, path: str, quantization: str | None) -> DraftModel:
         """A proposer's model, built the way the target was (`ProposerContext.load_model`)."""
@@ -224,7 +235,8 @@ class Worker:
         context = ProposerContext(config=spec, target=self.model, hf_config=source.hf_config,
                                   tokenizer=source.tokenizer, device=self.device, dtype=self.dtype,
                                   max_model_len=self.max_model_len, block_size=self.block_size,
-                                  load_model=self.load_draft_model, make_layout=self._layout)
+                                  load_model=self.load_draft_model, make_layout=self._layout,
+                                  model_context=self._model_context, metadata_builder=self._metadata_builder)
         proposer = cls(context)
         layers = proposer.aux_hidden_state_layers
         if layers:
@@ -343,7 +355,9 @@ class Worker:
         if self.proposer is not None and self.proposer.aux_hidden_state_layers:
             hidden, *aux = hidden.chunk(1 + len(self.proposer.aux_hidden_state_layers), dim=-1)
         if self.proposer is not None and self.proposer.needs_target_step:
-            self._last_step = TargetStep(layout, hidden, aux, {e.request.request_id: i for i, e in enumerate(entries)})
+            self._last_step = TargetStep(layout, hidden, aux, {e.request.request_id: i for i, e in enumerate(entries)},
+                                         [e.request.all_token_ids for e in entries], [e.samples for e in entries])
+            self.proposer.observe(self._last_step)
         sampling = [i for i, e in enumerate(entries) if e.samples]
         if not sampling:
             return StepResult({}, {})

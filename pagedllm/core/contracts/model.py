@@ -65,6 +65,11 @@ class CausalLM(nn.Module, ABC):
     ) -> torch.Tensor:
         """Hidden states [num_tokens, hidden_size] for the flattened batch."""
 
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding (`module(input_ids)` -> [n, hidden]): an EAGLE head without
+        its own embedding shares the target's."""
+        raise NotImplementedError(f"{type(self).__name__} does not expose its token embedding")
+
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         """From now on, `forward` returns [num_tokens, (1 + len(layers)) x hidden]: the
         final hidden states, then the hidden state entering each listed decoder layer

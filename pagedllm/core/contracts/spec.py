@@ -18,7 +18,7 @@ from typing import Any, Callable, ClassVar, Sequence
 import torch
 
 from pagedllm.core.contracts.attention import BatchLayout
-from pagedllm.core.contracts.model import CausalLM, KVCacheSpec
+from pagedllm.core.contracts.model import CausalLM, KVCacheSpec, ModelContext
 
 # `--speculative-config` keys every method takes (the core reads them); a method adds its
 # own with `SpecProposer.options`. Any other key is refused with the list of valid ones.
@@ -83,6 +83,11 @@ class ProposerContext:
     # the flattened batch of (token ids, tokens already cached, new tokens, block ids)
     # per request, as the worker builds it for the target
     make_layout: Callable[[list[list[int]], list[int], list[int], list[list[int]]], BatchLayout]
+    # for a proposer that builds its own layers (an EAGLE head) from a config: the
+    # ModelContext the target's layers were built with (its dtype, device, attention
+    # backend; no quantizer), and the metadata builder for layers of a KVCacheSpec
+    model_context: Callable[[Any], ModelContext] | None = None
+    metadata_builder: Callable[[KVCacheSpec], Callable[[BatchLayout], Any]] | None = None
 
 
 @dataclass
@@ -93,6 +98,8 @@ class TargetStep:
     hidden_states: torch.Tensor  # [num_tokens, hidden] after the final norm
     aux_hidden_states: list[torch.Tensor]  # the layers `SpecProposer.aux_hidden_state_layers` asked for
     batch_index: dict[str, int]  # request id -> its index in the layout
+    token_ids: list[Sequence[int]]  # each request's tokens (layout order; before this step's are appended)
+    samples: list[bool]  # whether each request's chunk reached its end (a token is sampled)
 
 
 @dataclass
@@ -154,6 +161,11 @@ class SpecProposer(ABC):
     @abstractmethod
     def propose(self, batch: ProposalBatch) -> list[list[int]]:
         """At most `batch.max_drafts[i]` draft tokens for each request (may be empty)."""
+
+    def observe(self, step: TargetStep) -> None:
+        """Every target forward, when `needs_target_step` (before sampling): a proposer that
+        keeps a KV cache fed by the target's hidden states covers the prompt chunks that
+        sample nothing here; the rows of a sampling request reach `propose` (`batch.step`)."""
 
     def forget(self, request_id: str) -> None:
         """The request finished or was preempted (its KV blocks are gone): drop its state."""

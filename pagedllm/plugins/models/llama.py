@@ -124,13 +124,13 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, attn):
         x, residual = self.embed_tokens(input_ids), None
         rope = self.rotary.lookup(positions)
-        aux = []
+        aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
-                aux.append(x if residual is None else x + residual)
+                aux[i] = x if residual is None else x + residual
             x, residual = layer(rope, x, residual, attn)
         x, _ = self.norm(x, residual)
-        return torch.cat([x, *aux], dim=-1) if aux else x
+        return torch.cat([x, *(aux[i] for i in self.aux_layers)], dim=-1) if aux else x
 
 
 class LlamaForCausalLM(CausalLM):
@@ -157,6 +157,9 @@ class LlamaForCausalLM(CausalLM):
 
     def forward(self, input_ids, positions, attn):
         return self.model(input_ids, positions, attn)
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
         bad = [i for i in layers if not 0 <= i < len(self.model.layers)]

@@ -16,7 +16,7 @@ _SPEC_METHODS = {
     "ngram": ("ngram", "NgramProposer"),
     "suffix": ("suffix", "SuffixProposer"),
     "draft_model": ("draft_model", "DraftModelProposer"),
-    "eagle": ("eagle", "EagleProposer"),  # refused: what is missing is in eagle.py
+    "eagle": ("eagle", "EagleProposer"),  # EAGLE-1: refused, saying what is missing
     "eagle3": ("eagle", "Eagle3Proposer"),
 }
 

@@ -75,9 +75,9 @@ def test_config_defaults_and_errors():
         resolve_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup": 3}, registry)
 
 
-def test_eagle_is_refused_with_what_is_missing():
-    with pytest.raises(NotImplementedError, match="EAGLE"):
-        resolve_spec_config({"method": "eagle3", "model": "/a/head", "num_speculative_tokens": 3}, get_registry())
+def test_eagle1_is_refused_with_what_is_missing():
+    with pytest.raises(NotImplementedError, match="EAGLE-1"):
+        resolve_spec_config({"method": "eagle", "model": "/a/head", "num_speculative_tokens": 3}, get_registry())
 
 
 def test_payoff_guard_keeps_the_faster_mode():
