@@ -31,7 +31,7 @@ from pagedllm.core.request import (
     RequestStatus,
     SamplingParams,
 )
-from pagedllm.core.scheduler import Scheduler
+from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.spec_decode import PayoffGuard, resolve_spec_config
 from pagedllm.core.worker import Worker
 
@@ -78,10 +78,8 @@ class LLMEngine:
                              f"max_position_embeddings={model_max}; lower --max-model-len")
         budget = config.max_num_batched_tokens(self.max_model_len)
         self.spec_config = resolve_spec_config(config.spec.speculative_config, registry)
-        self.payoff = PayoffGuard()
-        # the guard's choice for the step being run, and for the next one
-        self._step_mode: tuple[int, bool] | None = None  # (running requests, speculating)
-        self._next_mode: tuple[int, bool] | None = None
+        self.payoff = PayoffGuard(self.spec_config.num_speculative_tokens if self.spec_config else 0)
+        self._propose_s = 0.0
         self.worker = Worker(config, source, registry, self.max_model_len, budget, self.spec_config)
         self.block_manager = BlockManager(self.worker.budget.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching)
@@ -178,8 +176,8 @@ class LLMEngine:
             return []
         result = self.worker.execute(out)
         touched = self.scheduler.update_from_output(out, result.sampled)
-        self._record(len(out.scheduled), sum(len(t) for _, t in touched))
         changed: dict[str, _Parent] = {}
+        generated = 0
         for req, new_tokens in touched:
             parent = self.parents[self.child_to_parent[req.request_id]]
             self._append_logprobs(req, new_tokens, result.logprobs.get(req.request_id))
@@ -189,7 +187,9 @@ class LLMEngine:
                 req.truncate_output(len(new_tokens) - detokenizer.num_used)
                 req.stop_reason = matched
                 self.scheduler.finish(req, RequestStatus.FINISHED_STOPPED)
+            generated += detokenizer.num_used if matched is not None else len(new_tokens)
             changed[parent.request_id] = parent
+        self._record(len(out.scheduled), generated)
         if self.worker.proposer is not None:
             self._propose(touched)
         outputs = []
@@ -198,24 +198,38 @@ class LLMEngine:
                 outputs.append(self._finish_parent(parent))
             else:
                 outputs.append(self._output(parent))
-        if self.worker.proposer is not None and self._step_mode is not None:
-            batch, mode = self._step_mode
-            self.payoff.record(batch, mode, sum(len(t) for _, t in touched), time.perf_counter() - start)
-        self._step_mode = self._next_mode
+        if self.worker.proposer is not None:
+            self._measure(out, touched, time.perf_counter() - start)
         return outputs
+
+    def _measure(self, out: SchedulerOutput, touched: list[tuple[Request, list[int]]], seconds: float) -> None:
+        """What the payoff guard learns from a step: its time per row (decode and verify
+        steps only, the proposal's own time taken out) and the first drafts' acceptance."""
+        guard = self.payoff
+        if all(e.samples and e.num_new_tokens == 1 + len(e.spec_token_ids) for e in out.scheduled):
+            guard.record_step(out.num_scheduled_tokens, seconds - self._propose_s)
+        drafted = [e for e in out.scheduled if e.spec_token_ids]
+        if drafted:
+            got = {req.request_id: len(t) for req, t in touched}
+            guard.record_acceptance(len(drafted), sum(got.get(e.request.request_id, 1) > 1 for e in drafted))
 
     def _propose(self, touched: list[tuple[Request, list[int]]]) -> None:
         """Ask the proposer for the drafts the next step verifies (running requests only),
-        where the payoff guard finds speculation faster at this batch size."""
+        as many per request as the payoff guard expects to pay at this batch size."""
         live = [(req, tokens, len(tokens) - 1, self.block_manager.block_ids(req.request_id))
                 for req, tokens in touched if not req.is_finished]
         spec = self.spec_config
-        speculate = spec.disable_by_batch_size is None or len(live) < spec.disable_by_batch_size
-        self._next_mode = None
-        if speculate and spec.adaptive and live:
-            speculate = self.payoff.speculate(self.num_running)
-            self._next_mode = (self.num_running, speculate)
-        for request_id, drafts in self.worker.propose(live, speculate).items():
+        k = spec.num_speculative_tokens
+        if spec.disable_by_batch_size is not None and len(live) >= spec.disable_by_batch_size:
+            k = 0
+        elif spec.adaptive and live:
+            k = self.payoff.drafts(len(live))
+        start = time.perf_counter()
+        proposals = self.worker.propose(live, k)
+        self._propose_s = time.perf_counter() - start
+        if k:
+            self.payoff.record_proposal(k * len(live), self._propose_s)
+        for request_id, drafts in proposals.items():
             self.scheduler.requests[request_id].spec_token_ids = drafts
 
     def _record(self, num_seqs: int, num_tokens: int) -> None:

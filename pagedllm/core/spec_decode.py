@@ -9,6 +9,7 @@ vLLM's metrics name (drafts, draft tokens, accepted tokens, per position).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,62 +67,93 @@ def resolve_spec_config(raw: dict[str, Any] | None, registry: PluginRegistry) ->
 
 
 class PayoffGuard:
-    """Speculates only where it pays: for each batch size (bucketed by powers of two) it
-    runs epochs of steps with and without speculation, compares the tokens per second of
-    the latest epoch of each (whole steps: scheduling, verification, proposing, output),
-    and keeps to the faster mode, trying the other one again every REVISIT steps, since
-    acceptance changes as the text and the traffic change.
+    """How many drafts a step should verify: the k in 0..k_max that maximizes expected
+    tokens per second, n x E(k) / cost(n, k), from two things measured as the engine runs.
 
-    A verify step scores n x (1 + k) positions: on a GPU that is nearly free at small n,
-    on a CPU it costs almost in proportion once a few requests batch (SmolLM2 on two
-    Sapphire Rapids cores: a 64-row step takes 1.6x a 32-row one), so the same k helps a
-    lone stream 1.5-2.3x and slows a batch of 32 (measured 0.88x when always on).
+    - cost: a step's time as a function of its rows (n x (1 + k) query rows), learnt from
+      every step of decodes and verifies (moving average per row bucket, interpolated
+      between buckets), plus the proposer's time per drafted position. It is a
+      property of the machine and model, not of the traffic, so a burst of prefills or the
+      end of a batch job does not bias it the way comparing runs of steps would.
+    - E(k) = (1 - a^(k+1)) / (1 - a), the expected tokens a request gets from k drafts
+      when each is accepted with probability a (moving average of the first draft's
+      acceptance, fillers included).
+
+    A verify step is nearly free on a GPU at small n and almost proportional to its rows on
+    a CPU once a few requests batch (SmolLM2, two Sapphire Rapids cores: 64 rows take 1.6x
+    the time of 32), so the same config drafts k for a lone stream and fewer or none in a
+    batch of 32. A row count not measured yet is tried (every EXPLORE steps, until its
+    bucket is trusted) before the model extrapolates past it.
     """
 
-    EPOCH = 32  # steps per measured epoch
-    REVISIT = 1000  # steps in the winning mode before the other gets an epoch again
-    MARGIN = 1.05  # speculation must be this much faster to be chosen (noise is ~5% a step)
+    ALPHA = 0.1  # weight of the newest measurement in the moving averages
+    EXPLORE = 4  # steps between tries of a row count not measured TRUSTED times yet
+    TRUSTED = 2  # measurements of a row bucket before it is used
+    PROBE = 32  # while drafting does not pay, one step in PROBE drafts 1 to measure acceptance
 
-    def __init__(self) -> None:
-        # bucket -> {mode: (tokens, seconds) of its latest epoch}
-        self.latest: dict[int, dict[bool, tuple[int, float]]] = {}
-        self.current: dict[int, tuple[bool, int, int, float]] = {}  # bucket -> (mode, steps, tokens, seconds)
-        self.winner_steps: dict[int, int] = {}
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        self.time: dict[int, list[float]] = {}  # row bucket -> [mean rows, mean seconds, count]
+        self.accept = 0.5  # first-draft acceptance until measured
+        self.propose_s = 0.0  # proposer seconds per drafted position
+        self.steps = 0
+        self.last_try = -self.EXPLORE
+        self.accept_seen = False
 
     @staticmethod
-    def bucket(num_requests: int) -> int:
-        return max(1, num_requests).bit_length()
+    def bucket(rows: int) -> int:
+        """Row buckets about 12% wide (exact below 9 rows)."""
+        return int(math.log(max(1, rows)) / math.log(1.125))
 
-    def record(self, num_requests: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """One step's outcome, in the mode `speculate` chose for it (steps outside an epoch
-        of that mode, or of another batch size, are not measured)."""
-        b = self.bucket(num_requests)
-        if b not in self.current or self.current[b][0] != speculated:
-            return
-        mode, steps, got, spent = self.current[b]
-        steps, got, spent = steps + 1, got + tokens, spent + seconds
-        if steps >= self.EPOCH:
-            self.latest.setdefault(b, {})[mode] = (got, spent)
-            del self.current[b]
-        else:
-            self.current[b] = (mode, steps, got, spent)
+    def record_step(self, rows: int, seconds: float) -> None:
+        """A step of decodes and verifies only: `rows` query rows took `seconds`."""
+        entry = self.time.setdefault(self.bucket(rows), [float(rows), seconds, 0])
+        entry[0] += self.ALPHA * (rows - entry[0])
+        entry[1] += self.ALPHA * (seconds - entry[1])
+        entry[2] += 1
 
-    def speculate(self, num_requests: int) -> bool:
-        b = self.bucket(num_requests)
-        if b in self.current:  # an epoch is being measured
-            return self.current[b][0]
-        seen = self.latest.get(b, {})
-        if len(seen) == 2:
-            steps = self.winner_steps.get(b, 0) + 1
-            if steps < self.REVISIT:
-                self.winner_steps[b] = steps
-                (got_s, spent_s), (got_p, spent_p) = seen[True], seen[False]
-                return got_s * spent_p >= self.MARGIN * got_p * spent_s  # rate with >= MARGIN x rate without
-            self.winner_steps[b] = 0
-            seen.clear()  # measure both again
-        mode = True not in seen  # speculation first, then without
-        self.current[b] = (mode, 0, 0, 0.0)
-        return mode
+    def record_acceptance(self, drafts: int, first_accepted: int) -> None:
+        if drafts:
+            rate = first_accepted / drafts
+            self.accept = rate if not self.accept_seen else self.accept + self.ALPHA * (rate - self.accept)
+            self.accept_seen = True
+
+    def record_proposal(self, positions: int, seconds: float) -> None:
+        if positions:
+            self.propose_s += self.ALPHA * (seconds / positions - self.propose_s)
+
+    def cost(self, rows: int) -> float | None:
+        """Estimated step time for `rows` rows, None when no trusted measurement is above."""
+        known = sorted((r, t) for r, t, n in self.time.values() if n >= self.TRUSTED)
+        if not known:
+            return None
+        above = [(r, t) for r, t in known if r >= rows]
+        if not above:
+            return None
+        below = [(r, t) for r, t in known if r <= rows]
+        (r1, t1), (r0, t0) = above[0], below[-1] if below else (0.0, 0.0)
+        return t1 if r1 == r0 else t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
+
+    def drafts(self, n: int) -> int:
+        """Drafts per request for the next step of n requests."""
+        self.steps += 1
+        a = min(self.accept, 0.999)
+        best, best_rate = 0, None
+        for k in range(self.k_max + 1):
+            cost = self.cost(n * (1 + k))
+            if cost is None:
+                if k and self.steps - self.last_try >= self.EXPLORE:
+                    self.last_try = self.steps
+                    # measure the widest step first: then every k in between interpolates
+                    return self.k_max if self.cost(n * (1 + self.k_max)) is None else k
+                break
+            tokens = (1 - a ** (k + 1)) / (1 - a)
+            rate = n * tokens / (cost + k * n * self.propose_s)
+            if best_rate is None or rate > best_rate:
+                best, best_rate = k, rate
+        if best == 0 and self.k_max and self.steps % self.PROBE == 0:
+            return 1  # a verify step now and then keeps the acceptance estimate current
+        return best
 
 
 @dataclass

@@ -382,16 +382,16 @@ class Worker:
 
     @torch.inference_mode()
     def propose(self, appended: list[tuple[Request, list[int], int, Sequence[int]]],
-                speculate: bool = True) -> dict[str, list[int]]:
+                max_drafts: int | None = None) -> dict[str, list[int]]:
         """Drafts for the requests that decode next: (request, tokens the step appended,
-        drafts accepted, its KV block ids) each; none where none may be proposed. Without
-        `speculate` the proposer still sees the step (with no room for drafts), so that
-        what it keeps per request stays current."""
+        drafts accepted, its KV block ids) each; none where none may be proposed. At most
+        `max_drafts` per request (default k); with 0 the proposer still sees the step (with
+        no room for drafts), so that what it keeps per request stays current."""
         proposer = self.proposer
         if proposer is None or not appended:
             return {}
         step, self._last_step = self._last_step, None
-        k = proposer.k if speculate else 0
+        k = proposer.k if max_drafts is None else min(max_drafts, proposer.k)
         caps = []
         for req, _, _, _ in appended:
             room = self.max_model_len - req.num_tokens - 1

@@ -80,27 +80,28 @@ def test_eagle1_is_refused_with_what_is_missing():
         resolve_spec_config({"method": "eagle", "model": "/a/head", "num_speculative_tokens": 3}, get_registry())
 
 
-def test_payoff_guard_keeps_the_faster_mode():
-    guard = PayoffGuard()
-
-    def run(steps: int, rate: dict[bool, float]) -> list[bool]:
-        modes = []
+def test_payoff_guard_drafts_where_they_pay():
+    """Step time grows with rows as on a CPU (fixed cost + per row); the guard must learn
+    it from the steps it sees and draft k for a lone stream but none for a large batch
+    when drafts are rarely accepted."""
+    def play(n: int, accept: float, per_row: float, steps: int = 400) -> list[int]:
+        guard = PayoffGuard(k_max=4)
+        chosen = []
+        k = 0
         for _ in range(steps):
-            mode = guard.speculate(4)
-            guard.record(4, mode, 10, 10 / rate[mode])
-            modes.append(mode)
-        return modes
+            guard.record_step(n * (1 + k), 0.010 + per_row * n * (1 + k))
+            if k:
+                guard.record_acceptance(n, round(accept * n))
+            k = guard.drafts(n)
+            chosen.append(k)
+        return chosen[-100:]
 
-    first = run(2 * guard.EPOCH, {True: 100.0, False: 300.0})
-    assert first == [True] * guard.EPOCH + [False] * guard.EPOCH, "one epoch of each mode first"
-    assert not any(run(100, {True: 100.0, False: 300.0})), "speculation measured slower: stay plain"
-    modes = run(guard.REVISIT, {True: 500.0, False: 300.0})
-    again = guard.REVISIT - 1 - 100  # steps already counted since the decision: the 100 above
-    assert modes[:again] == [False] * again
-    assert modes[again:again + 2 * guard.EPOCH] == [True] * guard.EPOCH + [False] * guard.EPOCH, \
-        "both modes are measured again after REVISIT steps"
-    assert all(run(100, {True: 500.0, False: 300.0})), "and speculation kept once it measures faster"
-    assert guard.speculate(64) is True, "another batch size is measured on its own"
+    assert min(play(1, accept=0.8, per_row=0.0005)) == 4, "cheap rows and good drafts: always k"
+    costly = play(32, accept=0.3, per_row=0.002)
+    assert sum(costly) <= len(costly) // PayoffGuard.PROBE + 1, \
+        "costly rows and poor drafts: no drafts but the acceptance probes"
+    middle = play(32, accept=0.8, per_row=0.0005)
+    assert 0 < min(middle) and max(middle) < 4, f"in between, some drafts: {sorted(set(middle))}"
 
 
 def test_spec_stats():

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 
 from pagedllm import LLM, SamplingParams
+from tests._eagle3 import write_head
 
 CODE = '''def schedule(self):
     budget = self.max_num_batched_tokens
@@ -41,10 +42,14 @@ def baseline(smollm2_float):
     {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 4},
     {"method": "suffix", "num_speculative_tokens": 8},
     "self",
-], ids=["ngram", "suffix", "draft_model"])
-def test_greedy_chats_unchanged(smollm2_float, baseline, config):
+    "eagle3",
+], ids=["ngram", "suffix", "draft_model", "eagle3"])
+def test_greedy_chats_unchanged(smollm2_float, baseline, config, tmp_path):
     if config == "self":
         config = {"model": str(smollm2_float), "num_speculative_tokens": 3}
+    if config == "eagle3":  # an untrained head in the published layout: lossless, if rarely right
+        config = {"method": "eagle3", "model": str(write_head(tmp_path / "head", smollm2_float)),
+                  "num_speculative_tokens": 3}
     llm = LLM(str(smollm2_float), kv_cache_memory=256 << 20, max_model_len=1024, speculative_config={**config, "adaptive": False})
     got = [o.outputs[0] for o in llm.chat(CHATS, PARAMS, use_tqdm=False)]
     for i, (g, b) in enumerate(zip(got, baseline)):
@@ -54,5 +59,7 @@ def test_greedy_chats_unchanged(smollm2_float, baseline, config):
             token = b.token_ids[step]
             assert rg[token].logprob == pytest.approx(rb[token].logprob, abs=1e-3), f"chat {i} step {step}"
     stats = llm.engine.scheduler.spec_stats
-    assert stats.num_accepted_tokens > 0.3 * len(baseline[0].token_ids), \
-        f"the grounded chat should have many drafts accepted ({stats.num_accepted_tokens})"
+    assert stats.num_drafts > 0
+    if config.get("method") != "eagle3":
+        assert stats.num_accepted_tokens > 0.3 * len(baseline[0].token_ids), \
+            f"the grounded chat should have many drafts accepted ({stats.num_accepted_tokens})"
