@@ -20,10 +20,10 @@ ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
 LOGPROB_ATOL = 1e-4
 
 
-def methods(model_dir) -> dict[str, dict]:
-    head = model_dir / "eagle3-head"
-    if not head.exists():
-        write_head(head, model_dir, aux_layers=[0, 1, 1])  # the tiny targets have 2 layers
+def methods(model_dir, scratch) -> dict[str, dict]:
+    """Every method's config for `model_dir`; the EAGLE-3 head is written under `scratch`
+    (never inside the shared model directory, which other tests copy)."""
+    head = write_head(scratch / "eagle3-head", model_dir, aux_layers=[0, 1, 1])  # the tiny targets have 2 layers
     return {
         "ngram": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
                   "adaptive": False},
@@ -71,12 +71,12 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprob
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_output_unchanged_by_every_method(tiny_model_dir, arch):
+def test_greedy_output_unchanged_by_every_method(tiny_model_dir, arch, tmp_path):
     model = tiny_model_dir(arch)
     ids = prompts()
     base = generate(llm(model), ids, GREEDY)
     accepted = {}
-    for name, config in methods(model).items():
+    for name, config in methods(model, tmp_path).items():
         engine = llm(model, speculative_config=config)
         # twice: the second pass finds the first one's outputs (suffix trees, ngram matches)
         for _ in range(2):
@@ -90,7 +90,7 @@ def test_greedy_output_unchanged_by_every_method(tiny_model_dir, arch):
 
 
 @pytest.mark.parametrize("name", ["ngram", "suffix", "draft_model", "eagle3"])
-def test_chunked_prefill_prefix_caching_preemption_and_n(tiny_model_dir, name):
+def test_chunked_prefill_prefix_caching_preemption_and_n(tiny_model_dir, name, tmp_path):
     model = tiny_model_dir("llama")
     rng = random.Random(1)
     shared = [rng.randrange(2, 500) for _ in range(24)]
@@ -104,7 +104,7 @@ def test_chunked_prefill_prefix_caching_preemption_and_n(tiny_model_dir, name):
     settings = dict(max_num_batched_tokens=16, kv_cache_memory=14 * 16 * per_token, max_model_len=160,
                     enable_prefix_caching=True)
     base = generate(llm(model, **settings), ids, params)
-    engine = llm(model, speculative_config=methods(model)[name], **settings)
+    engine = llm(model, speculative_config=methods(model, tmp_path)[name], **settings)
     for _ in range(2):
         assert_same(generate(engine, ids, params), base, name)
     assert engine.engine.scheduler.num_preemptions > 0, "the test meant to preempt"
