@@ -55,6 +55,8 @@ def resolve_spec_config(raw: dict[str, Any] | None, registry: PluginRegistry) ->
     cutoff = values.get("disable_by_batch_size")
     if cutoff is not None and (not isinstance(cutoff, int) or isinstance(cutoff, bool) or cutoff < 2):
         raise ValueError(f"--speculative-config: disable_by_batch_size must be an integer >= 2, got {cutoff!r}")
+    if cls.needs_model and not values.get("model"):
+        raise ValueError(f"--speculative-config: the {method} method needs \"model\": the path of what it loads")
     options = {key: values.get(key, default) for key, default in cls.options.items()}
     adaptive = values.get("adaptive", True)
     if not isinstance(adaptive, bool):

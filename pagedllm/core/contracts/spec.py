@@ -124,10 +124,13 @@ class SpecProposer(ABC):
     options: ClassVar[dict[str, Any]] = {}
     # a method that needs no `num_speculative_tokens` key gets this (None: the key is required)
     default_num_speculative_tokens: ClassVar[int | None] = None
+    # the method loads a model or head from the config's "model" key (the core requires it)
+    needs_model: ClassVar[bool] = False
 
     def __init__(self, context: ProposerContext) -> None:
         self.context = context
         self.k = context.config.num_speculative_tokens
+        self.kv_caches: list[torch.Tensor] = []  # the layers of kv_cache_spec(), once bound
 
     @classmethod
     def validate(cls, config: SpecDecodeConfig) -> None:
@@ -141,12 +144,14 @@ class SpecProposer(ABC):
 
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         """The caches of `kv_cache_spec()`'s layers (called once, before the first step)."""
+        self.kv_caches = caches
 
     @property
     def num_lookahead_slots(self) -> int:
-        """KV slots past a request's scheduled tokens the proposer writes into (a draft
-        model writes its k - 1 proposal steps there); the scheduler reserves them."""
-        return 0
+        """KV slots past a request's scheduled tokens the proposer writes into; the
+        scheduler reserves them. By default k where the proposer has KV layers of its own
+        (a draft model or head writes its k - 1 proposal steps there), else 0."""
+        return self.k if self.kv_cache_spec() is not None else 0
 
     @property
     def aux_hidden_state_layers(self) -> tuple[int, ...]:

@@ -18,37 +18,25 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.core.contracts import AttentionContext, KVCacheSpec, ProposalBatch, ProposerContext, SpecDecodeConfig, SpecProposer
+from pagedllm.core.contracts import AttentionContext, KVCacheSpec, ProposalBatch, ProposerContext, SpecProposer
 
 SAMPLE_TOKENS = 64  # token strings compared between the target's and the draft's tokenizer
 
 
 class DraftModelProposer(SpecProposer):
     name = "draft_model"
-
-    @classmethod
-    def validate(cls, config: SpecDecodeConfig) -> None:
-        if not config.model:
-            raise ValueError("--speculative-config: the draft_model method needs \"model\": the draft's path")
+    needs_model = True
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
         self.draft = context.load_model(context.config.model, context.config.quantization)
         check_same_vocabulary(context.hf_config, context.tokenizer, self.draft.hf_config, self.draft.tokenizer,
                               context.config.model)
-        self.caches: list[torch.Tensor] = []
         self.cached: dict[str, int] = {}  # request id -> leading tokens whose keys the draft cache holds
         self.fed: dict[str, int] = {}  # request id -> drafts of its last proposal fed back (cached if accepted)
 
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.draft.kv_spec
-
-    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        self.caches = caches
-
-    @property
-    def num_lookahead_slots(self) -> int:
-        return self.k
 
     def forget(self, request_id: str) -> None:
         self.cached.pop(request_id, None)
@@ -58,7 +46,7 @@ class DraftModelProposer(SpecProposer):
         """The draft's argmax after each request's chunk."""
         lens = [len(t) for t in tokens]
         layout = self.context.make_layout(tokens, cached, lens, blocks)
-        attn = AttentionContext(self.draft.build_metadata(layout), self.caches)
+        attn = AttentionContext(self.draft.build_metadata(layout), self.kv_caches)
         hidden = self.draft.run(layout, attn)
         last = layout.query_start_loc_cpu[1:].to(torch.long) - 1
         return self.draft.model.compute_logits(hidden[last.to(hidden.device)]).argmax(dim=-1)

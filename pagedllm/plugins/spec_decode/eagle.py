@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import os
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Iterator
 
 import torch
 from torch import nn
@@ -38,6 +38,7 @@ from pagedllm.core.contracts import (
     SpecProposer,
     TargetStep,
 )
+from pagedllm.core.worker import process_after_loading
 from pagedllm.plugins.models.layers import Attention, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding, rope_parameters
 
 
@@ -156,21 +157,15 @@ def load_head(head: Eagle3Head, tensors: Iterator[tuple[str, torch.Tensor]], pat
 
 class Eagle3Proposer(SpecProposer):
     name = "eagle3"
-
-    @classmethod
-    def validate(cls, config: SpecDecodeConfig) -> None:
-        if not config.model:
-            raise ValueError("--speculative-config: the eagle3 method needs \"model\": the EAGLE-3 head's path")
+    needs_model = True
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
         path = context.config.model
         cfg = head_config(path)
         target_cfg = context.hf_config
-        layers = getattr(cfg, "eagle_aux_hidden_state_layer_ids", None) or getattr(
-            getattr(cfg, "eagle_config", None) or SimpleNamespace(), "eagle_aux_hidden_state_layer_ids", None)
-        if isinstance(getattr(cfg, "eagle_config", None), dict):
-            layers = layers or cfg.eagle_config.get("eagle_aux_hidden_state_layer_ids")
+        layers = getattr(cfg, "eagle_aux_hidden_state_layer_ids", None) or \
+            (getattr(cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
         n = target_cfg.num_hidden_layers
         self.layers = tuple(layers) if layers else (2, n // 2, n - 3)
         if cfg.vocab_size != target_cfg.vocab_size:
@@ -181,38 +176,27 @@ class Eagle3Proposer(SpecProposer):
         with torch.device(context.device):
             self.head = Eagle3Head(ctx, getattr(cfg, "target_hidden_size", None) or target_cfg.hidden_size)
         load_head(self.head, head_tensors(path), path)
-        for module in self.head.modules():
-            method = getattr(module, "method", None)
-            if method is not None and hasattr(method, "process_after_loading"):
-                method.process_after_loading(module)
+        process_after_loading(self.head)
         self.head.eval()
         self.embed = self.head.embed_tokens if self.head.embed_tokens is not None else \
             context.target.get_input_embeddings()
         self.kv_spec = KVCacheSpec(num_layers=1, num_heads=cfg.num_attention_heads,
                                    num_kv_heads=cfg.num_key_value_heads, head_size=cfg.head_dim)
         self.build_metadata = context.metadata_builder(self.kv_spec)
-        self.caches: list[torch.Tensor] = []
 
     @property
     def aux_hidden_state_layers(self) -> tuple[int, ...]:
         return self.layers
 
-    @property
-    def num_lookahead_slots(self) -> int:
-        return self.k
-
     def kv_cache_spec(self) -> KVCacheSpec:
         return self.kv_spec
-
-    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        self.caches = caches
 
     def _run(self, tokens: list[list[int]], start: list[int], blocks: list[list[int]],
              features: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward: row j of request i is position start[i] + j, with the
         embedding of tokens[i][j] (the token after it) and its feature."""
         layout = self.context.make_layout(tokens, start, [len(t) for t in tokens], blocks)
-        attn = AttentionContext(self.build_metadata(layout), self.caches)
+        attn = AttentionContext(self.build_metadata(layout), self.kv_caches)
         return self.head(self.embed(layout.input_ids), features, layout.positions, attn)
 
     def _target_rows(self, step: TargetStep, which: list[tuple[int, int, int]]) -> torch.Tensor:
