@@ -216,8 +216,7 @@ class LLMEngine:
     def _propose(self, touched: list[tuple[Request, list[int]]]) -> None:
         """Ask the proposer for the drafts the next step verifies (running requests only),
         as many per request as the payoff guard expects to pay at this batch size."""
-        live = [(req, tokens, len(tokens) - 1, self.block_manager.block_ids(req.request_id))
-                for req, tokens in touched if not req.is_finished]
+        live = [(req, tokens) for req, tokens in touched if not req.is_finished]
         spec = self.spec_config
         k = spec.num_speculative_tokens
         if spec.disable_by_batch_size is not None and len(live) >= spec.disable_by_batch_size:
@@ -225,7 +224,7 @@ class LLMEngine:
         elif spec.adaptive and live:
             k = self.payoff.drafts(len(live))
         start = time.perf_counter()
-        proposals = self.worker.propose(live, k)
+        proposals = self.worker.propose(live, [self.block_manager.block_ids(r.request_id) for r, _ in live], k)
         self._propose_s = time.perf_counter() - start
         if k:
             self.payoff.record_proposal(k * len(live), self._propose_s)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pagedllm.core.request import Request
+from pagedllm.core.request import Request, SamplingParams
 
 
 @dataclass
@@ -72,8 +72,7 @@ class Sampler:
                 banned = list(p.stop_token_ids) + ([req.eos_token_id] if req.eos_token_id is not None else [])
                 if banned:
                     bans.append((i, banned))
-        needs = [i for i, r in enumerate(requests)
-                 if r.params.repetition_penalty != 1.0 or r.params.presence_penalty or r.params.frequency_penalty]
+        needs = [i for i, r in enumerate(requests) if _has_penalty(r.params)]
         if not bans and not needs:
             return logits
         logits = logits.clone()
@@ -354,15 +353,17 @@ class _Ahead:
         return len(self.output_token_ids)
 
 
+def _has_penalty(params: SamplingParams) -> bool:
+    """Whether the request's logits depend on the tokens generated so far (penalties)."""
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
+
+
 def _ahead_rows(requests: list[Request], drafts: list[Sequence[int]]) -> list[Any]:
     """One entry per verified row: the request itself where nothing reads its history
     (no penalty, min_tokens reached), else the request as of that row (`_Ahead`)."""
     rows: list[Any] = []
     for req, d in zip(requests, drafts):
-        p = req.params
-        reads_history = (p.repetition_penalty != 1.0 or p.presence_penalty or p.frequency_penalty
-                         or req.num_output_tokens < p.min_tokens)
-        if not reads_history:
+        if not _has_penalty(req.params) and req.num_output_tokens >= req.params.min_tokens:
             rows.extend([req] * (len(d) + 1))
         else:
             rows.append(req)

@@ -166,7 +166,7 @@ class Scheduler:
             if reason:
                 self.finish(req, reason)
             if tokens:
-                touched.append((req, tokens if appended == len(tokens) else tokens[:appended]))
+                touched.append((req, tokens[:appended]))
         return touched
 
     def _token_stop(self, req: Request, token: int) -> RequestStatus | None:

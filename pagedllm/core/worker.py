@@ -197,11 +197,17 @@ class Worker:
                             attention_backend=self.backend, kv_cache_dtype=self.config.cache.kv_cache_dtype,
                             block_size=self.block_size, extra=dict(self.config.plugin_options))
 
-    def _metadata_builder(self, kv_spec: KVCacheSpec):
+    def _metadata_builder(self, kv_spec: KVCacheSpec, what: str = "the proposer's attention layers"):
+        """The metadata builder for a proposer's attention layers, which share the target's
+        backend and cache dtype (their caches are allocated beside the target's)."""
         attn_spec = self._attention_spec(kv_spec)
         reasons = self.backend.check(attn_spec)
         if reasons:
-            raise ValueError(f"the proposer's attention layers cannot run on {self.backend.name}: {'; '.join(reasons)}")
+            raise ValueError(f"{what} cannot run on the target's attention backend {self.backend.name}: "
+                             f"{'; '.join(reasons)}")
+        if self.backend.kv_cache_dtype(attn_spec) != self.kv_dtype:
+            raise ValueError(f"{what} would keep a KV cache in {self.backend.kv_cache_dtype(attn_spec)}, "
+                             f"the target in {self.kv_dtype}: give both the same dtype")
         return self.backend.builder_cls()(attn_spec).build
 
     def load_draft_model(self, path: str, quantization: str | None) -> DraftModel:
@@ -211,24 +217,15 @@ class Worker:
         source = open_model(path, "auto", self.registry, self.config.plugin_options)
         model_cls = self.registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
         kv_spec = model_cls.kv_cache_spec(source.hf_config)
-        attn_spec = self._attention_spec(kv_spec)
-        reasons = self.backend.check(attn_spec)
-        if reasons:
-            raise ValueError(f"the draft model {path} cannot run on the target's attention backend "
-                             f"{self.backend.name}: {'; '.join(reasons)}")
-        if self.backend.kv_cache_dtype(attn_spec) != self.kv_dtype:
-            raise ValueError(f"the draft model {path} would keep its KV cache in "
-                             f"{self.backend.kv_cache_dtype(attn_spec)}, the target in {self.kv_dtype}: "
-                             "give both the same dtype")
+        build_metadata = self._metadata_builder(kv_spec, f"the draft model {path}")
         quant = _quant_config(quantization, source, self.registry, self.config.plugin_options)
         start = time.perf_counter()
         model = self._build_model(model_cls, source, quant)
         logger.info("loaded draft %s from %s in %.1fs", type(model).__name__, path, time.perf_counter() - start)
-        builder = self.backend.builder_cls()(attn_spec)
         runner = None if self.config.device.enforce_eager else self._graph_runner(self.registry, model)
         run = runner if runner is not None else (lambda layout, attn: model(layout.input_ids, layout.positions, attn))
         return DraftModel(model=model, hf_config=source.hf_config, tokenizer=source.tokenizer,
-                          kv_spec=kv_spec, build_metadata=builder.build, run=run)
+                          kv_spec=kv_spec, build_metadata=build_metadata, run=run)
 
     def _proposer(self, spec: SpecDecodeConfig, source: ModelSource) -> SpecProposer:
         cls = self.registry.spec_method(spec.method)
@@ -381,31 +378,33 @@ class Worker:
         return StepResult(sampled, logprobs)
 
     @torch.inference_mode()
-    def propose(self, appended: list[tuple[Request, list[int], int, Sequence[int]]],
+    def propose(self, appended: list[tuple[Request, list[int]]], block_ids: list[Sequence[int]],
                 max_drafts: int | None = None) -> dict[str, list[int]]:
-        """Drafts for the requests that decode next: (request, tokens the step appended,
-        drafts accepted, its KV block ids) each; none where none may be proposed. At most
-        `max_drafts` per request (default k); with 0 the proposer still sees the step (with
-        no room for drafts), so that what it keeps per request stays current."""
+        """Drafts for the requests that decode next: each with the tokens the step appended
+        (the accepted drafts and the target's own token) and its KV block ids; none where
+        none may be proposed. At most `max_drafts` per request (default k); with 0 the
+        proposer still sees the step (with no room for drafts), so that what it keeps per
+        request stays current."""
         proposer = self.proposer
         if proposer is None or not appended:
             return {}
         step, self._last_step = self._last_step, None
         k = proposer.k if max_drafts is None else min(max_drafts, proposer.k)
+        requests = [req for req, _ in appended]
         caps = []
-        for req, _, _, _ in appended:
+        for req in requests:
             room = self.max_model_len - req.num_tokens - 1
             if req.params.max_tokens is not None:
                 room = min(room, req.params.max_tokens - req.num_output_tokens - 1)
             caps.append(max(0, min(k, room)))
         batch = ProposalBatch(
-            request_ids=[r.request_id for r, _, _, _ in appended],
-            token_ids=[r.all_token_ids for r, _, _, _ in appended],
-            num_prompt_tokens=[r.num_prompt_tokens for r, _, _, _ in appended],
-            num_new_tokens=[len(t) for _, t, _, _ in appended],
-            num_accepted=[a for _, _, a, _ in appended],
+            request_ids=[r.request_id for r in requests],
+            token_ids=[r.all_token_ids for r in requests],
+            num_prompt_tokens=[r.num_prompt_tokens for r in requests],
+            num_new_tokens=[len(t) for _, t in appended],
+            num_accepted=[len(t) - 1 for _, t in appended],
             max_drafts=caps,
-            block_ids=[b for _, _, _, b in appended],
+            block_ids=block_ids,
             step=step)
         drafts = [list(d[:cap]) for d, cap in zip(proposer.propose(batch), caps)]
         return _even_out(batch, drafts, caps)
