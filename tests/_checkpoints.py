@@ -24,6 +24,22 @@ def float_tensors(src: Path) -> dict[str, torch.Tensor]:
     return {name: t.float() for name, t in tensors.items()}
 
 
+def split_linears(src: Path, skip: tuple[str, ...] = ()) -> tuple[dict, dict, list[tuple[str, str, torch.Tensor]]]:
+    """(quant, dense, linears) for a checkpoint writer: `src`'s float tensors that stay
+    float (not a LINEAR projection, or named with a `skip` entry) already in both dicts,
+    and (name, module prefix, weight) of each projection left to quantize."""
+    quant: dict[str, torch.Tensor] = {}
+    dense: dict[str, torch.Tensor] = {}
+    linears = []
+    for name, w in float_tensors(src).items():
+        match = LINEAR.match(name)
+        if not match or any(s in name for s in skip):
+            quant[name] = dense[name] = w
+        else:
+            linears.append((name, match.group(1), w))
+    return quant, dense, linears
+
+
 def write_pair(src: Path, out: Path, ref: Path, quant: dict[str, torch.Tensor], dense: dict[str, torch.Tensor],
                quantization_config: dict[str, Any]) -> None:
     """`out`: `quant` with `quantization_config`; `ref`: `dense` as a plain float32 model;

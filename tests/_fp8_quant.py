@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from tests._checkpoints import LINEAR, float_tensors, write_pair
+from tests._checkpoints import LINEAR, split_linears, write_pair
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -39,15 +39,9 @@ def fp8_checkpoint(src: Path, out: Path, ref: Path, block: tuple[int, int] | Non
     `--quantization fp8` does to a float checkpoint; only `ref` is then meaningful).
     Returns how the activations are quantized, for
     `hf_log_likelihoods(..., activations=)`."""
-    tensors = float_tensors(src)
     inputs = _calibrate(src, static_ids) if static_ids is not None else {}
-    quant, dense = {}, {}
-    for name, w in tensors.items():
-        match = LINEAR.match(name)
-        if not match:
-            quant[name] = dense[name] = w
-            continue
-        prefix = match.group(1)
+    quant, dense, linears = split_linears(src)
+    for name, prefix, w in linears:
         if block is None:
             top = w.abs().amax(1, keepdim=True) if per_row else w.abs().max()
             scale = (top / FP8_MAX).clamp(min=1e-12)

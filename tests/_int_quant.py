@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from tests._checkpoints import LINEAR, float_tensors, write_pair
+from tests._checkpoints import split_linears, write_pair
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ: nibble i holds column order_map[i] of the 8
 
@@ -88,14 +88,9 @@ def quantized_checkpoint(src: Path, out: Path, ref: Path, fmt: str, bits: int = 
     weights as a float32 HF dir). Layers whose checkpoint name contains a `skip` entry
     stay float; GPTQ layers get the all-zero biases its exporters write."""
     gen = torch.Generator().manual_seed(seed)
-    tensors = float_tensors(src)
-    quant, dense = {}, {}
-    for name, w in tensors.items():
-        match = LINEAR.match(name)
-        if not match or any(s in name for s in skip):
-            quant[name] = dense[name] = w
-            continue
-        prefix, k = match.group(1), w.shape[1]
+    quant, dense, linears = split_linears(src, skip)
+    for name, prefix, w in linears:
+        k = w.shape[1]
         g = k if group == -1 else group
         if act_order:
             g_idx = torch.empty(k, dtype=torch.int64)

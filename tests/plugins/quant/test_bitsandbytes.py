@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 from pagedllm import LLM  # noqa: E402
-from tests._checkpoints import LINEAR, float_tensors, write_pair  # noqa: E402
+from tests._checkpoints import split_linears, write_pair  # noqa: E402
 from tests.test_llm import assert_parity, make_prompts, reference, run_engine  # noqa: E402
 
 PROMPTS = make_prompts(17, lens=[6, 28, 1])
@@ -19,13 +19,8 @@ PROMPTS = make_prompts(17, lens=[6, 28, 1])
 
 def write_checkpoint(src, out, ref, bits=4, quant_type="nf4", double_quant=True, blocksize=64):
     import bitsandbytes.functional as bnbf
-    tensors = float_tensors(src)
-    quant, dense = {}, {}
-    for name, w in tensors.items():
-        match = LINEAR.match(name)
-        if not match:
-            quant[name] = dense[name] = w
-            continue
+    quant, dense, linears = split_linears(src)
+    for name, prefix, w in linears:
         if bits == 4:
             q, state = bnbf.quantize_4bit(w, blocksize=blocksize, quant_type=quant_type,
                                           compress_statistics=double_quant)
@@ -36,7 +31,7 @@ def write_checkpoint(src, out, ref, bits=4, quant_type="nf4", double_quant=True,
         else:
             codes, scb, _ = bnbf.int8_vectorwise_quant(w)
             dense[name] = codes.float() * scb[:, None] / 127.0
-            quant[name], quant[f"{match.group(1)}.SCB"] = codes, scb
+            quant[name], quant[f"{prefix}.SCB"] = codes, scb
     qc = {"quant_method": "bitsandbytes", "load_in_4bit": bits == 4, "load_in_8bit": bits == 8,
           "bnb_4bit_quant_type": quant_type, "bnb_4bit_use_double_quant": double_quant,
           "bnb_4bit_compute_dtype": "float32"}
