@@ -5,6 +5,12 @@ tables) or in the free list (ref_count == 0), never both. The free list is in ev
 order (least recently freed first); a freed block keeps its hash and stays findable in
 the prefix cache until it is handed out again. A full block's hash covers its parent's
 hash and its tokens, and a hit is confirmed by comparing token content.
+
+With a `sliding_window` (a model whose every layer attends to at most that many recent
+tokens), a running request's blocks wholly older than the window are released as it
+advances: they go to the free list (keeping their hash, so they stay findable and
+reusable) while the request's table keeps their ids in place, since no kernel reads them
+again; `free` skips them later.
 """
 
 from __future__ import annotations
@@ -45,7 +51,8 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
@@ -54,6 +61,8 @@ class BlockManager:
         self.free_blocks: OrderedDict[int, Block] = OrderedDict((b.block_id, b) for b in self.blocks)
         self.cached: dict[int, Block] = {}
         self.req_blocks: dict[str, list[Block]] = {}
+        self.sliding_window = sliding_window
+        self.released: dict[str, int] = {}  # request id -> its leading blocks already released
         self.num_query_tokens = 0  # prefix-cache statistics, in prompt tokens
         self.num_hit_tokens = 0
 
@@ -106,6 +115,27 @@ class BlockManager:
         num_tokens = req.num_computed_tokens + len(computed.blocks) * self.block_size + num_new_tokens
         return max(0, -(-num_tokens // self.block_size) - owned)
 
+    def release_outside_window(self, req: Request) -> int:
+        """Release `req`'s leading blocks that no layer reads again: every token in them is
+        older than the window seen from the next query position (num_computed_tokens).
+        Returns how many blocks this freed."""
+        if self.sliding_window is None:
+            return 0
+        table = self.req_blocks.get(req.request_id)
+        if not table:
+            return 0
+        done = self.released.get(req.request_id, 0)
+        # block i's last token, (i + 1) * bs - 1, is outside every window of queries at
+        # positions >= p when it is <= p - window
+        upto = min(len(table), max(0, (req.num_computed_tokens - self.sliding_window + 1) // self.block_size))
+        for block in table[done:upto]:
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_blocks[block.block_id] = block
+        if upto > done:
+            self.released[req.request_id] = upto
+        return max(0, upto - done)
+
     def can_allocate(self, req: Request, num_new_tokens: int, computed: KVCacheBlocks = KVCacheBlocks()) -> bool:
         revived = sum(1 for b in computed.blocks if b.ref_count == 0)
         return self.num_blocks_to_allocate(req, num_new_tokens, computed) <= self.num_free_blocks - revived
@@ -116,7 +146,8 @@ class BlockManager:
                        computed: KVCacheBlocks = KVCacheBlocks()) -> bool:
         """Give `req` room for `num_new_tokens` more tokens (after taking the cached
         `computed` blocks, for a request's first schedule). False, with nothing
-        changed, when the pool is too small."""
+        changed (except blocks released outside the window), when the pool is too small."""
+        self.release_outside_window(req)
         if not self.can_allocate(req, num_new_tokens, computed):
             return False
         num_new_blocks = self.num_blocks_to_allocate(req, num_new_tokens, computed)
@@ -152,9 +183,10 @@ class BlockManager:
         table = self.req_blocks.get(req.request_id, [])
         num_full = min(req.num_computed_tokens, req.num_tokens) // self.block_size
         bs = self.block_size
+        done = self.released.get(req.request_id, 0)  # released blocks may belong to others now
         for i, h in enumerate(self._hashes(req, num_full)):
             block = table[i]
-            if block.block_hash is not None:
+            if i < done or block.block_hash is not None:
                 continue
             block.block_hash = h
             block.token_ids = tuple(req.all_token_ids[i * bs:(i + 1) * bs])
@@ -163,7 +195,8 @@ class BlockManager:
     def free(self, req: Request) -> None:
         """Release the request's blocks; tail blocks go first into the free list so
         they are evicted before the (more shareable) prefix blocks."""
-        for block in reversed(self.req_blocks.pop(req.request_id, [])):
+        done = self.released.pop(req.request_id, 0)
+        for block in reversed(self.req_blocks.pop(req.request_id, [])[done:]):
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_blocks[block.block_id] = block

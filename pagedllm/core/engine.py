@@ -82,7 +82,7 @@ class LLMEngine:
         self._propose_s = 0.0
         self.worker = Worker(config, source, registry, self.max_model_len, budget, self.spec_config)
         self.block_manager = BlockManager(self.worker.budget.num_blocks, config.cache.block_size,
-                                          config.cache.enable_prefix_caching)
+                                          config.cache.enable_prefix_caching, self.worker.kv_window)
         proposer = self.worker.proposer
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs, budget,
                                    self.max_model_len, config.scheduler.enable_chunked_prefill,

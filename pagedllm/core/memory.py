@@ -45,10 +45,14 @@ def cpu_kv_bytes(kv_cache_memory: int | None) -> tuple[int, str]:
 
 
 def plan_kv_cache(available_bytes: int, source: str, bytes_per_token: int, block_size: int,
-                  max_model_len: int, max_num_seqs: int, on_gpu: bool) -> KVBudget:
-    """Blocks that fit in `available_bytes`; never more than all sequences could use."""
+                  max_model_len: int, max_num_seqs: int, on_gpu: bool,
+                  tokens_held_per_seq: int | None = None) -> KVBudget:
+    """Blocks that fit in `available_bytes`; never more than all sequences could use.
+
+    `tokens_held_per_seq`: the most tokens one sequence holds at once (default
+    max_model_len; less for a model whose every layer is windowed)."""
     bytes_per_block = bytes_per_token * block_size
-    blocks_per_seq = -(-max_model_len // block_size)
+    blocks_per_seq = -(-(tokens_held_per_seq or max_model_len) // block_size)
     num_blocks = max(0, available_bytes) // bytes_per_block
     if num_blocks < blocks_per_seq:
         raise ValueError(not_enough_memory(blocks_per_seq * bytes_per_block, max(0, available_bytes),

@@ -135,7 +135,8 @@ class PluginRegistry:
     def attention_backend(self, requested: str | None, spec: AttentionSpec) -> type[AttentionBackend]:
         """The backend to use: the requested one (which must be able to run), else the
         runnable backend with the highest priority for this device."""
-        reasons = {name: cls.check(spec) for name, cls in self.attention_backends.items()}
+        reasons = {name: self._kind_reasons(cls, spec) or cls.check(spec)
+                   for name, cls in self.attention_backends.items()}
         runnable = sorted(name for name, r in reasons.items() if not r)
         if requested:
             name = ATTENTION_ALIASES.get(requested.upper(), requested.upper())
@@ -156,6 +157,13 @@ class PluginRegistry:
         device = spec.device.type
         best = max(runnable, key=lambda n: self.attention_backends[n].priority.get(device, -1))
         return self.attention_backends[best]
+
+    def _kind_reasons(self, cls: type[AttentionBackend], spec: AttentionSpec) -> list[str]:
+        """Why `cls` cannot serve a model of `spec.kind` attention (none when it can)."""
+        if spec.kind in cls.kinds:
+            return []
+        serving = sorted(n for n, c in self.attention_backends.items() if spec.kind in c.kinds)
+        return [f"it does not serve {spec.kind.upper()} attention (backends that do: {', '.join(serving) or 'none'})"]
 
     def graph_runner(self, device: torch.device, backend: type[AttentionBackend]) -> type[GraphRunner] | None:
         """The runnable graph runner with the highest priority for `device`, or None."""

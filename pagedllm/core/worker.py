@@ -116,6 +116,12 @@ def process_after_loading(model: torch.nn.Module) -> None:
             method.process_after_loading(module)
 
 
+def _common_window(specs: Sequence[KVCacheSpec]) -> int | None:
+    """The window past which no layer of any of `specs` reads (None: some layer is global)."""
+    windows = [spec.kv_window for spec in specs]
+    return None if any(w is None for w in windows) else max(windows)  # type: ignore[type-var]
+
+
 @dataclass
 class StepResult:
     sampled: dict[str, list[int]]
@@ -158,6 +164,8 @@ class Worker:
         if spec_config is not None:
             self.proposer = self._proposer(spec_config, source)
         draft_spec = self.proposer.kv_cache_spec() if self.proposer is not None else None
+        # tokens older than this are never read again by any layer (target or proposer)
+        self.kv_window = _common_window([self.kv_spec] + ([draft_spec] if draft_spec is not None else []))
         self.budget = self._plan_memory(draft_spec)
         self.kv_caches = self._allocate(self.kv_spec)
         if draft_spec is not None:
@@ -172,7 +180,8 @@ class Worker:
         return AttentionSpec(num_heads=kv_spec.num_heads, num_kv_heads=kv_spec.num_kv_heads,
                              head_size=kv_spec.head_size, dtype=self.dtype,
                              kv_cache_dtype=self.config.cache.kv_cache_dtype, block_size=self.block_size,
-                             device=self.device, matmul_precision=self.matmul_precision)
+                             device=self.device, matmul_precision=self.matmul_precision,
+                             kind=kv_spec.kind, value_size=kv_spec.value_size)
 
     def _build_model(self, model_cls: type[CausalLM], source: ModelSource, quant: QuantConfig | None) -> CausalLM:
         """Build a model on this worker's device, dtype and attention backend, and load its
@@ -242,7 +251,7 @@ class Worker:
         return proposer
 
     def _allocate(self, spec: KVCacheSpec) -> list[torch.Tensor]:
-        shape = self.backend.kv_cache_shape(self.budget.num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+        shape = self.backend.cache_shape(self.budget.num_blocks, self.block_size, spec)
         return [zeroed(shape, self.kv_dtype, self.device) for _ in range(spec.num_layers)]
 
     def _graph_runner(self, registry: PluginRegistry, model: torch.nn.Module | None = None) -> GraphRunner | None:
@@ -266,12 +275,21 @@ class Worker:
         else:
             available, source = cpu_kv_bytes(cache.kv_cache_memory)
         budget = plan_kv_cache(available, source, bytes_per_token, self.block_size, self.max_model_len,
-                               self.config.scheduler.max_num_seqs, self.device.type == "cuda")
+                               self.config.scheduler.max_num_seqs, self.device.type == "cuda",
+                               self._tokens_held_per_seq())
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %.2f GiB, %d bytes/token, dtype %s)",
                     budget.num_blocks, self.block_size, budget.num_tokens, source,
                     budget.num_blocks * self.block_size * bytes_per_token / GiB, bytes_per_token,
                     str(self.kv_dtype).replace("torch.", ""))
         return budget
+
+    def _tokens_held_per_seq(self) -> int:
+        """The most tokens one sequence ever holds in the cache: max_model_len, or, when every
+        layer is windowed (blocks older than the window are released), the window plus the
+        largest step's new tokens and a block for alignment."""
+        if self.kv_window is None:
+            return self.max_model_len
+        return min(self.max_model_len, self.kv_window + self.max_num_batched_tokens + self.block_size)
 
     def _profile_cuda(self, bytes_per_token: int) -> tuple[int, str]:
         """Run one maximal step with a throw-away cache to learn the activation peak."""
@@ -281,7 +299,7 @@ class Worker:
         num_tokens = min(self.max_num_batched_tokens, self.max_model_len)
         num_blocks = -(-num_tokens // self.block_size)
         spec = self.kv_spec
-        shape = self.backend.kv_cache_shape(num_blocks, self.block_size, spec.num_kv_heads, spec.head_size)
+        shape = self.backend.cache_shape(num_blocks, self.block_size, spec)
         scratch = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()

@@ -55,6 +55,9 @@ class BatchLayout:
         return self.max_query_len == 1
 
 
+ATTENTION_KINDS = ("mha", "mla")
+
+
 @dataclass(frozen=True)
 class AttentionSpec:
     """The per-model facts a backend needs to build metadata and run its kernels."""
@@ -70,8 +73,19 @@ class AttentionSpec:
     # backend may keep an "auto" cache of a float32 model in bf16 (attention's two
     # products then take bf16 keys and values, as the GEMMs take bf16 weights)
     matmul_precision: str = "highest"
+    # "mha": K and V per KV head; "mla": one latent per token (KVCacheSpec explains it):
+    # keys are the whole latent (head_size elements), values its first value_size
+    kind: str = "mha"
+    value_size: int | None = None  # MLA: the output head size; None = head_size
+
+    @property
+    def out_head_size(self) -> int:
+        """Elements per head of what attention returns (the value size)."""
+        return self.value_size or self.head_size
 
     def __post_init__(self) -> None:
+        if self.kind not in ATTENTION_KINDS:
+            raise ValueError(f"attention kind {self.kind!r} is not one of {', '.join(ATTENTION_KINDS)}")
         if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}: "
                              "no attention backend can run this model")
@@ -127,7 +141,12 @@ class AttentionImpl(ABC):
         q: [num_tokens, num_heads, head_size]; k, v: [num_tokens, num_kv_heads, head_size].
         Returns [num_tokens, num_heads, head_size] in q's dtype. Causal within the
         step; every query attends to all cached tokens of its request before it (and
-        only the last `sliding_window` tokens when set).
+        only the last `sliding_window` tokens when set: a query at position p sees keys
+        at positions p - sliding_window + 1 .. p).
+
+        An "mla" spec: k is the latent [num_tokens, 1, head_size] and v is None; the
+        cache (`latent_cache_shape`) holds latents, keys are whole latents, values their
+        first `spec.value_size` elements; returns [num_tokens, num_heads, value_size].
         """
 
 
@@ -152,6 +171,9 @@ class AttentionBackend(ABC):
     # tokens have metadata whose shapes depend on the batch shape alone (1: decodes only;
     # more lets speculative verify steps, 1 + k tokens per request, be captured too).
     graph_max_query_len: ClassVar[int] = 1
+    # the attention kinds (AttentionSpec.kind) this backend serves; the registry refuses
+    # a model of another kind here, naming the backends that serve it
+    kinds: ClassVar[frozenset[str]] = frozenset({"mha"})
 
     @classmethod
     @abstractmethod
@@ -169,6 +191,18 @@ class AttentionBackend(ABC):
         [2, num_blocks, block_size, num_kv_heads, head_size], is K then V; a backend
         whose library wants another layout overrides this."""
         return (2, num_blocks, block_size, num_kv_heads, head_size)
+
+    @classmethod
+    def latent_cache_shape(cls, num_blocks: int, block_size: int, latent_size: int) -> tuple[int, ...]:
+        """Shape of one MLA layer's cache (backends serving "mla"): one latent per token."""
+        return (num_blocks, block_size, latent_size)
+
+    @classmethod
+    def cache_shape(cls, num_blocks: int, block_size: int, spec: Any) -> tuple[int, ...]:
+        """One layer's cache shape for a model's KVCacheSpec, whichever its kind."""
+        if spec.latent_size is not None:
+            return cls.latent_cache_shape(num_blocks, block_size, spec.latent_size)
+        return cls.kv_cache_shape(num_blocks, block_size, spec.num_kv_heads, spec.head_size)
 
     @classmethod
     def kv_cache_dtype(cls, spec: AttentionSpec) -> torch.dtype:

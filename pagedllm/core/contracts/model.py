@@ -15,16 +15,58 @@ from pagedllm.core.contracts.quant import QuantConfig
 
 @dataclass(frozen=True)
 class KVCacheSpec:
-    """A model's attention and KV-cache facts (on this rank): what the worker needs to
-    pick an attention backend and size the cache before the model is built."""
+    """A model's attention and KV-cache facts (on this rank), supplied by the model class
+    from its config: what the worker needs to pick an attention backend and size the cache
+    before the model is built.
+
+    Two kinds of layer cache exist. "mha" (the default): K and V per KV head,
+    `head_size` elements each. "mla" (multi-head latent attention, DeepSeek-V2/V3): one
+    latent vector of `latent_size` elements per token, shared by every head; the backend
+    attends with the whole latent as the key (queries arrive already projected into it,
+    `head_size` = `latent_size`) and its first `value_size` elements as the value.
+    """
 
     num_layers: int  # attention layers, each with its own cache tensor
     num_heads: int  # query heads
-    num_kv_heads: int
-    head_size: int
+    num_kv_heads: int  # 1 for MLA (the latent is shared by every head)
+    head_size: int  # the q.k dot-product size (MLA: the latent size)
+    # MLA only: elements cached per token and layer, and how many of them are the value
+    latent_size: int | None = None
+    value_size: int | None = None
+    # per-layer sliding windows in tokens (None = a global layer); () = every layer global
+    sliding_windows: tuple[int | None, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
+            raise ValueError(f"sliding_windows names {len(self.sliding_windows)} layers, the model has "
+                             f"{self.num_layers}")
+        if (self.latent_size is None) != (self.value_size is None):
+            raise ValueError("an MLA cache needs both latent_size and value_size")
+
+    @property
+    def kind(self) -> str:
+        """The attention kind backends declare they serve: "mha" or "mla"."""
+        return "mla" if self.latent_size is not None else "mha"
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window (None: it attends to the whole context)."""
+        return self.sliding_windows[layer] if self.sliding_windows else None
+
+    @property
+    def kv_window(self) -> int | None:
+        """The window beyond which no layer ever reads a token again (the largest window when
+        every layer is windowed; None when any layer is global): blocks wholly older than it
+        can be released while the request runs."""
+        windows = self.sliding_windows
+        if not windows or any(w is None for w in windows):
+            return None
+        return max(windows)  # type: ignore[type-var]
 
     def bytes_per_token(self, element_size: int) -> int:
-        """K and V for every layer: 2 x layers x kv_heads x head_dim x element size."""
+        """Cache bytes one token takes across every layer: MLA's latent, or K and V per
+        KV head (2 x layers x kv_heads x head_dim x element size)."""
+        if self.latent_size is not None:
+            return self.num_layers * self.latent_size * element_size
         return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_size
 
 

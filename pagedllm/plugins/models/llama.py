@@ -1,13 +1,15 @@
 """Llama and the architectures that share its shape (Llama 2/3/3.1, SmolLM2, Mistral).
 
 Reads top-down: config facts -> attention -> MLP -> decoder layer -> model ->
-checkpoint mapping. Qwen2 and Qwen3 subclass this with their two differences
-(qkv bias; per-head q/k RMSNorm), expressed as class attributes, not branches.
+checkpoint mapping. A decoder layer is built from the architecture's attention and MLP
+classes (`LlamaForCausalLM.attention_cls`, `mlp_cls(layer_idx)`), so a new architecture
+that differs in one of them is a short subclass: Qwen2 and Qwen3 swap the attention for
+one with a qkv bias or per-head q/k RMSNorm, the MoE models pick a sparse MLP per layer.
 """
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -34,9 +36,14 @@ def llama_kv_cache_spec(cfg: Any) -> KVCacheSpec:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, qkv_bias: bool, qk_norm: bool) -> None:
+    qkv_bias = False  # Qwen2: True (a config's attention_bias also turns it on)
+    qk_norm = False  # Qwen3: per-head RMSNorm of q and k before rotary
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
         cfg = ctx.hf_config
+        qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        qk_norm = self.qk_norm
         spec = llama_kv_cache_spec(cfg)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -49,7 +56,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)
         self.qk_norm = qk_norm
         self.attn = Attention(ctx, layer_idx, self.num_heads, self.num_kv_heads, self.head_dim,
-                              scale=self.head_dim ** -0.5)
+                              scale=self.head_dim ** -0.5, sliding_window=spec.window(layer_idx))
         self.sizes = (q_size, kv_size, kv_size)
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor,
@@ -70,7 +77,7 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, ctx: ModelContext, prefix: str) -> None:
+    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, quant_config=ctx.quant_config,
@@ -86,11 +93,14 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, qkv_bias: bool, qk_norm: bool) -> None:
+    """Pre-norm attention then MLP, each with a residual (the sums fused into the norms)."""
+
+    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, attention_cls: type[nn.Module],
+                 mlp_cls: type[nn.Module]) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.self_attn = LlamaAttention(ctx, layer_idx, f"{prefix}.self_attn", qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(ctx, f"{prefix}.mlp")
+        self.self_attn = attention_cls(ctx, layer_idx, f"{prefix}.self_attn")
+        self.mlp = mlp_cls(ctx, layer_idx, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
 
@@ -106,14 +116,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, ctx: ModelContext, qkv_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, ctx: ModelContext, make_layer: Callable[[int, str], nn.Module]) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.quant_config,
                                            "model.embed_tokens")
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(ctx, i, f"model.layers.{i}", qkv_bias, qk_norm) for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
         theta, scaling = rope_parameters(cfg)
         self.rotary = RotaryEmbedding(llama_kv_cache_spec(cfg).head_size, cfg.max_position_embeddings, theta,
@@ -142,18 +150,25 @@ class LlamaForCausalLM(CausalLM):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
-    qkv_bias = False
-    qk_norm = False
+    attention_cls: type[nn.Module] = LlamaAttention
+    decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
+    model_cls: type[nn.Module] = LlamaModel
 
     def __init__(self, context: ModelContext) -> None:
         super().__init__(context)
         cfg = context.hf_config
-        bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
-        self.model = LlamaModel(context, qkv_bias=bias, qk_norm=self.qk_norm)
+        self.model = self.model_cls(context, self.make_layer)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         if not self.tie_word_embeddings:
             self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, context.dtype, context.quant_config,
                                           "lm_head")
+
+    def mlp_cls(self, layer_idx: int) -> type[nn.Module]:
+        """The MLP class of decoder layer `layer_idx` (MoE models: sparse or dense per layer)."""
+        return LlamaMLP
+
+    def make_layer(self, layer_idx: int, prefix: str) -> nn.Module:
+        return self.decoder_layer_cls(self.context, layer_idx, prefix, self.attention_cls, self.mlp_cls(layer_idx))
 
     def forward(self, input_ids, positions, attn):
         return self.model(input_ids, positions, attn)

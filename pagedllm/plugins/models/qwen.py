@@ -4,11 +4,19 @@ q/k RMSNorm and no bias (Qwen3)."""
 from __future__ import annotations
 
 from pagedllm.core.contracts import ModelContext
-from pagedllm.plugins.models.llama import LlamaForCausalLM
+from pagedllm.plugins.models.llama import LlamaAttention, LlamaForCausalLM
+
+
+class Qwen2Attention(LlamaAttention):
+    qkv_bias = True
+
+
+class Qwen3Attention(LlamaAttention):
+    qk_norm = True
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    qkv_bias = True
+    attention_cls = Qwen2Attention
 
     def __init__(self, context: ModelContext) -> None:
         if getattr(context.hf_config, "use_sliding_window", False):
@@ -17,7 +25,7 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    attention_cls = Qwen3Attention
 
     def __init__(self, context: ModelContext) -> None:
         if getattr(context.hf_config, "use_sliding_window", False):
