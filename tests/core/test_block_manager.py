@@ -81,3 +81,51 @@ def test_caching_disabled_never_hits():
     bm = BlockManager(num_blocks=8, block_size=BS, enable_caching=False)
     admit(bm, make_request("a", list(range(9))))
     assert bm.get_computed_blocks(make_request("b", list(range(9))))[1] == 0
+
+
+def test_sliding_window_releases_blocks_no_query_reads_again():
+    """With every layer windowed (window 6, blocks of 4), a block is released once its last
+    token is older than the window seen from the next query position; the table keeps the
+    ids in place, and free() skips them."""
+    bm = BlockManager(num_blocks=6, block_size=BS, sliding_window=6)
+    req = make_request("a", list(range(10)))
+    admit(bm, req)  # 10 tokens computed: blocks 0, 1, 2
+    assert bm.num_free_blocks == 3
+    # the next query sits at position 10 and sees keys 5..10: block 0 (tokens 0-3) is out
+    assert bm.allocate_slots(req, 1)
+    assert bm.block_ids("a") == [0, 1, 2]
+    assert bm.num_free_blocks == 4 and bm.blocks[0].ref_count == 0
+    req.num_computed_tokens = 15  # next query at 15 sees 10..15: blocks 1 (4-7) and 2 (8-11 holds 10, 11) -> only 1 out
+    assert bm.allocate_slots(req, 1)
+    assert bm.block_ids("a") == [0, 1, 2, 3]
+    assert bm.blocks[1].ref_count == 0 and bm.blocks[2].ref_count == 1
+    bm.free(req)
+    assert bm.num_free_blocks == 6
+    assert all(b.ref_count == 0 for b in bm.blocks)
+
+
+def test_released_block_reused_by_another_request_is_not_rehashed_or_freed_twice():
+    bm = BlockManager(num_blocks=4, block_size=BS, sliding_window=4)
+    a = make_request("a", list(range(12)))
+    admit(bm, a)
+    a.num_computed_tokens = 12
+    assert bm.allocate_slots(a, 1)  # query at 12 sees 9..12: blocks 0 and 1 released
+    assert bm.num_free_blocks == 2  # a holds its block 2 and a new one; 0 and 1 are free again
+    b = make_request("b", [100 + i for i in range(8)])
+    admit(bm, b)  # takes the released blocks 0 and 1 (least recently freed first)
+    assert sorted(bm.block_ids("b")) == [0, 1]
+    before = (bm.blocks[0].block_hash, bm.blocks[1].block_hash)
+    bm.cache_full_blocks(a)  # must not stamp a's hashes onto b's blocks
+    assert (bm.blocks[0].block_hash, bm.blocks[1].block_hash) == before
+    bm.free(a)
+    assert bm.blocks[0].ref_count == 1 and bm.blocks[1].ref_count == 1  # still b's
+    bm.free(b)
+    assert bm.num_free_blocks == 4
+
+
+def test_no_window_or_a_global_layer_releases_nothing():
+    bm = BlockManager(num_blocks=8, block_size=BS)
+    req = make_request("a", list(range(20)))
+    admit(bm, req)
+    assert bm.allocate_slots(req, 1)
+    assert bm.num_free_blocks == 8 - 6
