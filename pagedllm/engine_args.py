@@ -54,13 +54,14 @@ def parse_bytes(text: str) -> int:
 
 
 def parse_json_object(text: str) -> dict[str, Any]:
-    """A JSON object given as a flag's value (e.g. `--speculative-config '{...}'`)."""
+    """A JSON object given as a flag's value (`--speculative-config '{...}'`, `--hf-overrides`)."""
     try:
         value = json.loads(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("expected a JSON object, e.g. '{\"method\": \"ngram\"}'")
+        raise argparse.ArgumentTypeError(f"expected a JSON object ('{{\"key\": value, ...}}'), got "
+                                         f"{type(value).__name__} {text!r}")
     return value
 
 

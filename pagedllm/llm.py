@@ -22,8 +22,10 @@ class LLM:
             max_num_batched_tokens, block_size, enable_prefix_caching,
             enable_chunked_prefill, gpu_memory_utilization, kv_cache_memory, seed,
             enforce_eager, trust_remote_code, attention_backend, device,
-            quantization, load_format, kv_cache_dtype, ...). Plugin-added options go
-            in `plugin_options={...}`.
+            quantization, load_format, kv_cache_dtype, hf_overrides={...} merged into
+            the Hugging Face config, rope_scaling={...} / rope_theta= (vLLM's older
+            spellings of hf_overrides), ...). Plugin-added options go in
+            `plugin_options={...}`.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:

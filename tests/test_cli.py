@@ -238,3 +238,36 @@ def test_serve_defaults_to_a_2048_token_step_budget_like_vllms_server():
     args = parser.parse_args(["serve", "--max-num-batched-tokens", "4096"])
     cli.apply_serve_defaults(args)
     assert engine_config_from_args(args).scheduler.max_num_batched_tokens == 4096, "an explicit flag must win"
+
+
+def test_hf_overrides_flags_reach_the_hf_config(tiny_model_dir: Any) -> None:
+    """--hf-overrides and --rope-theta land on the loaded Hugging Face config; a linear
+    rope factor 2 doubles the context length the engine allows (512 -> 1024)."""
+    from pagedllm.core.engine import LLMEngine
+
+    overrides = '{"rms_norm_eps": 0.001, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}'
+    args = parse("serve", str(tiny_model_dir("llama")), "--hf-overrides", overrides, "--rope-theta", "50000",
+                 "--kv-cache-memory", "64M", "--device", "cpu", "--dtype", "float32")
+    engine = LLMEngine(engine_config_from_args(args))
+    assert engine.hf_config.rms_norm_eps == 0.001
+    assert engine.hf_config.rope_parameters == {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0}
+    assert engine.max_model_len == 1024
+    kwargs = engine_kwargs_from_args(args)
+    assert engine_kwargs_from_args(parse("serve", *engine_flags(kwargs))) == kwargs  # flags round-trip
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--hf-overrides", "{nope"], "argument --hf-overrides: not JSON"),
+    (["--hf-overrides", "[1, 2]"], "argument --hf-overrides: expected a JSON object"),
+    (["--rope-scaling", '"yarn"'], "argument --rope-scaling: expected a JSON object"),
+    (["--rope-theta", "-1"], "rope_theta must be a number > 0"),
+    (["--rope-theta", "1e6", "--hf-overrides", '{"rope_theta": 1e4}'], "rope_theta is given twice"),
+    (["--rope-scaling", "{}", "--hf-overrides", '{"rope_scaling": {}}'], "rope_scaling is given twice"),
+])
+def test_bad_hf_overrides_exit_2_with_one_clean_line(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                                     message: str) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "/some/model", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err

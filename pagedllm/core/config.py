@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,10 +64,43 @@ class ModelConfig:
     served_model_name: str | None = opt(None, "Model name the API reports (default: the model as given, "
                                         "or the bundled model's file name).",
                                         "model")
+    hf_overrides: dict | None = opt(None, "JSON merged into the model's Hugging Face config once it is read, "
+                                    "e.g. '{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                                    "\"original_max_position_embeddings\": 32768}}' (a dict merges into the dict "
+                                    "there); each override is logged.", "model")
+    rope_scaling: dict | None = opt(None, "RoPE scaling JSON (vLLM's older flag): the same as --hf-overrides "
+                                    "'{\"rope_scaling\": JSON}'. Types: linear, dynamic, yarn, longrope, llama3.",
+                                    "model")
+    rope_theta: float | None = opt(None, "RoPE base (vLLM's older flag): the same as --hf-overrides "
+                                   "'{\"rope_theta\": X}'.", "model")
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        for name in ("hf_overrides", "rope_scaling"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name} must be a JSON object (a dict), got {value!r}")
+        if self.rope_theta is not None and not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
+        given = set(self.hf_overrides or {})
+        if self.rope_scaling is not None and given & {"rope_scaling", "rope_parameters"}:
+            raise ValueError("rope_scaling is given twice: as --rope-scaling and inside --hf-overrides; keep one")
+        if self.rope_theta is not None and "rope_theta" in given:
+            raise ValueError("rope_theta is given twice: as --rope-theta and inside --hf-overrides; keep one")
+
+    def hf_config_overrides(self) -> dict[str, Any]:
+        """What to merge into the Hugging Face config: `hf_overrides`, plus `rope_scaling` and
+        `rope_theta` (vLLM's older flags, folded in as vLLM folds them, with a warning)."""
+        overrides = dict(self.hf_overrides or {})
+        for name in ("rope_scaling", "rope_theta"):
+            value = getattr(self, name)
+            if value is not None:
+                logging.getLogger("pagedllm").warning(
+                    "--%s is vLLM's older spelling: it is applied as --hf-overrides '{\"%s\": %s}'",
+                    name.replace("_", "-"), name, json.dumps(value))
+                overrides[name] = value
+        return overrides
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pagedllm.core import envs
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.config import EngineConfig, default_model
 from pagedllm.core.detokenizer import IncrementalDetokenizer
-from pagedllm.core.loader import open_model
+from pagedllm.core.loader import derived_max_model_len, open_model
 from pagedllm.core.plugins import get_registry
 from pagedllm.core.request import (
     CompletionOutput,
@@ -68,14 +68,16 @@ class LLMEngine:
         path = config.model.model or default_model()
         self.model_path = path
         source = open_model(path, config.model.load_format, registry, config.plugin_options,
-                            tokenizer=config.model.tokenizer)
+                            tokenizer=config.model.tokenizer, hf_overrides=config.model.hf_config_overrides())
         self.tokenizer = source.tokenizer
         self.hf_config = source.hf_config
-        model_max = getattr(source.hf_config, "max_position_embeddings", None) or 2048
+        # the config's length, stretched by its rope scaling (as vLLM derives it)
+        model_max, derived = derived_max_model_len(source.hf_config)
         self.max_model_len = config.model.max_model_len or model_max
         if self.max_model_len > model_max:
-            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's "
-                             f"max_position_embeddings={model_max}; lower --max-model-len")
+            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's {derived}; lower "
+                             "--max-model-len (or extend the context with a rope scaling: --hf-overrides "
+                             "'{\"rope_scaling\": {...}}')")
         budget = config.max_num_batched_tokens(self.max_model_len)
         self.spec_config = resolve_spec_config(config.spec.speculative_config, registry)
         self.payoff = PayoffGuard(self.spec_config.num_speculative_tokens if self.spec_config else 0)

@@ -43,6 +43,9 @@ ENV_VARS: dict[str, EnvVar] = {
                "auto (default), highest or medium: whether float32 models may multiply with bf16 products "
                "where the hardware makes that faster; auto allows it only for --dtype auto on quantized "
                "checkpoints that name no float dtype (GGUF)."),
+        EnvVar("PAGEDLLM_FUSED_MOE_CHUNK_SIZE", "VLLM_FUSED_MOE_CHUNK_SIZE",
+               "Tokens per chunk of a mixture-of-experts layer's grouped GEMMs (default 32768, as vLLM): "
+               "bounds the intermediate buffers of long prefills."),
         EnvVar("PAGEDLLM_USE_V1", "VLLM_USE_V1",
                "Accepted for compatibility and ignored with a warning: there is one engine."),
     ]

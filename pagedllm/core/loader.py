@@ -3,11 +3,16 @@
 The core reads Hugging Face directories (config.json, tokenizer files, *.safetensors,
 sharded or not); any other format (GGUF) comes from a `CheckpointFormat` plugin. The
 result is a `ModelSource`, so the worker never asks which format it was.
+
+Two facts about any Hugging Face config live here too, since every format yields one:
+the user's `--hf-overrides` (applied right after the config is read, whatever the
+format) and the longest context the config allows (`derived_max_model_len`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -16,6 +21,10 @@ import torch
 
 from pagedllm.core.contracts import CheckpointFormat
 from pagedllm.core.plugins import PluginRegistry
+
+logger = logging.getLogger("pagedllm")
+# the rope dict's keys that stay when an override switches to another scaling type
+_ROPE_KEEP = ("rope_theta", "partial_rotary_factor")
 
 
 @dataclass
@@ -73,8 +82,9 @@ class HFDirectory(CheckpointFormat):
 
 
 def open_model(path: str, load_format: str, registry: PluginRegistry, options: dict[str, Any],
-               tokenizer: str | None = None) -> ModelSource:
-    """Open `path` with the format that fits it (plugins first when load_format is auto)."""
+               tokenizer: str | None = None, hf_overrides: dict[str, Any] | None = None) -> ModelSource:
+    """Open `path` with the format that fits it (plugins first when load_format is auto);
+    `hf_overrides` are applied to its config before anything reads it."""
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (pagedllm reads local files; it does not "
                          "download from a model hub)")
@@ -88,6 +98,8 @@ def open_model(path: str, load_format: str, registry: PluginRegistry, options: d
     if tokenizer:
         fmt.options["tokenizer"] = tokenizer
     hf_config = fmt.hf_config()
+    if hf_overrides:
+        apply_hf_overrides(hf_config, hf_overrides)
     quant_config = dict(getattr(hf_config, "quantization_config", None) or {})
     quant = quant_config.get("quant_method") or fmt.quantization()
     tok = _tokenizer(fmt, tokenizer)
@@ -101,3 +113,94 @@ def _tokenizer(fmt: CheckpointFormat, tokenizer: str | None) -> Any:
 
         return AutoTokenizer.from_pretrained(tokenizer)
     return fmt.tokenizer()
+
+
+def _rope_dict(hf_config: Any) -> dict[str, Any]:
+    """The config's flat rope dict (transformers >= 5 `rope_parameters`, older `rope_scaling`);
+    {} when there is none or it is nested per layer type (Gemma 3)."""
+    rope = getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {}
+    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):
+        return {}
+    return rope
+
+
+def derived_max_model_len(hf_config: Any) -> tuple[int, str]:
+    """The longest context the config allows, and how it was derived (for messages).
+
+    vLLM's rule: max_position_embeddings (2048 when absent), times the rope factor for
+    linear and dynamic scaling. For yarn, original_max_position_embeddings x factor when
+    that is longer: a yarn added by --hf-overrides to a checkpoint whose
+    max_position_embeddings is its original length (Qwen2.5's recipe) reaches the scaled
+    length, as vLLM <= 0.10 derived it; a checkpoint that already states the scaled length
+    keeps it, as vLLM 0.32 reads it. Per-layer-type rope (Gemma 3) is never scaled."""
+    base = int(getattr(hf_config, "max_position_embeddings", None) or 2048)
+    rope = _rope_dict(hf_config)
+    kind = rope.get("rope_type", rope.get("type")) or "default"
+    factor = rope.get("factor")
+    if kind in ("linear", "dynamic") and factor:
+        return int(base * factor), f"max_position_embeddings={base} x {kind} rope factor {factor}"
+    orig = rope.get("original_max_position_embeddings")
+    if kind == "yarn" and factor and orig and orig * factor > base:
+        return int(orig * factor), f"yarn original_max_position_embeddings={orig} x factor {factor}"
+    return base, f"max_position_embeddings={base}"
+
+
+def apply_hf_overrides(hf_config: Any, overrides: dict[str, Any]) -> None:
+    """Set each key of `overrides` on the config, logging it (vLLM's --hf-overrides).
+
+    A dict value merges into a dict or sub-config already there (so `{"rope_scaling":
+    {"rope_type": "yarn", ...}}` keeps the checkpoint's rope_theta), except that a rope
+    dict naming another scaling type replaces the old one's keys (all but rope_theta and
+    partial_rotary_factor). transformers >= 5 spells `rope_scaling` `rope_parameters` and
+    keeps `rope_theta` inside it: both old names land there. A key the config does not
+    have is set anyway, with a warning (the model may not read it)."""
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object (a dict), got {type(overrides).__name__}")
+    rope_touched = False
+    for key, value in overrides.items():
+        logger.info("hf_overrides: %s = %r", key, value)
+        rope_attr = "rope_parameters" if hasattr(hf_config, "rope_parameters") else "rope_scaling"
+        if key in ("rope_scaling", "rope_parameters"):
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"hf_overrides: {key} must be a JSON object, got {value!r}")
+            setattr(hf_config, rope_attr, _merged_rope(getattr(hf_config, rope_attr, None), value))
+            rope_touched = True
+            continue
+        if key == "rope_theta" and isinstance(getattr(hf_config, "rope_parameters", None), dict) \
+                and "rope_theta" in hf_config.rope_parameters:
+            hf_config.rope_parameters = {**hf_config.rope_parameters, "rope_theta": value}
+            rope_touched = True
+            continue
+        if not hasattr(hf_config, key):
+            logger.warning("hf_overrides: %s is not a field of %s; set anyway (check its spelling)", key,
+                           type(hf_config).__name__)
+        current = getattr(hf_config, key, None)
+        if isinstance(value, dict) and isinstance(current, dict):
+            setattr(hf_config, key, _merge_dicts(current, value))
+        elif isinstance(value, dict) and current is not None and hasattr(current, "__dict__"):
+            apply_hf_overrides(current, value)  # a sub-config (text_config, ...)
+        else:
+            setattr(hf_config, key, value)
+    if rope_touched and hasattr(hf_config, "standardize_rope_params"):
+        hf_config.standardize_rope_params()  # rope_type from "type", original length defaults, as transformers
+
+
+def _merge_dicts(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        out[key] = _merge_dicts(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else value
+    return out
+
+
+def _merged_rope(current: dict[str, Any] | None, update: dict[str, Any] | None) -> dict[str, Any] | None:
+    if update is None:
+        return None
+    current = dict(current or {})
+    new_kind = update.get("rope_type", update.get("type"))
+    old_kind = current.get("rope_type", current.get("type")) or "default"
+    if new_kind is not None and new_kind != old_kind:
+        current = {k: v for k, v in current.items() if k in _ROPE_KEEP}
+    if "rope_type" in update:
+        current.pop("type", None)  # the older spelling would contradict it
+    return _merge_dicts(current, update)

@@ -29,6 +29,7 @@ from pagedllm.core.contracts import (
     KVCacheSpec,
     LinearMethod,
     ModelContext,
+    MoEMethod,
     ProposalBatch,
     ProposerContext,
     QuantConfig,
@@ -108,11 +109,11 @@ def _quant_config(flag: str | None, source: ModelSource, registry: PluginRegistr
 
 
 def process_after_loading(model: torch.nn.Module) -> None:
-    """Give every layer's linear or embedding method its one chance to repack loaded
-    weights, once every tensor is in (the core does it, for every model)."""
+    """Give every layer's linear, embedding or experts method its one chance to repack
+    loaded weights, once every tensor is in (the core does it, for every model)."""
     for module in model.modules():
         method = getattr(module, "method", None)
-        if isinstance(method, (LinearMethod, EmbeddingMethod)):
+        if isinstance(method, (LinearMethod, EmbeddingMethod, MoEMethod)):
             method.process_after_loading(module)
 
 

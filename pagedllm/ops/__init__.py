@@ -18,10 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.ops.dispatch import Op, chosen, reset
+from pagedllm.ops.moe import fused_moe, select_experts
 from pagedllm.core.precision import float32_matmul_precision, matmul_precision
 
-__all__ = ["Op", "PackedLinear", "chosen", "float32_matmul_precision", "gather_rows", "matmul_precision",
-           "pack_linear", "reset", "rms_norm", "rotary_qkv", "silu_and_mul"]
+__all__ = ["Op", "PackedLinear", "chosen", "float32_matmul_precision", "fused_moe", "gather_rows", "matmul_precision",
+           "gelu_and_mul", "pack_linear", "reset", "rms_norm", "rotary_qkv", "select_experts", "silu_and_mul"]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -44,6 +45,13 @@ def _silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for x = [gate | up] along the last dim (the fused gate_up output)."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def _gelu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for x = [gate | up] along the last dim: the GeGLU
+    of Gemma's MLP (transformers' "gelu_pytorch_tanh")."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
 
 
 def _rotary_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor,
@@ -106,6 +114,7 @@ def _pack_linear(weight: torch.Tensor) -> PackedLinear:
 
 rms_norm: Op = Op("rms_norm", _rms_norm)
 silu_and_mul: Op = Op("silu_and_mul", _silu_and_mul)
+gelu_and_mul: Op = Op("gelu_and_mul", _gelu_and_mul)
 rotary_qkv: Op = Op("rotary_qkv", _rotary_qkv)
 gather_rows: Op = Op("gather_rows", _gather_rows)
 pack_linear: Op = Op("pack_linear", _pack_linear)

@@ -4,7 +4,8 @@ One module per plugin kind; every name is importable from here:
 
 - `attention`: attention backends (`AttentionBackend`, its metadata builder and
   per-layer impl), the flattened batch they read (`BatchLayout`), `GraphSupport`;
-- `quant`: quantizers (`QuantConfig` -> `LinearMethod` / `EmbeddingMethod` per layer);
+- `quant`: quantizers (`QuantConfig` -> `LinearMethod` / `EmbeddingMethod` / `MoEMethod`
+  per layer);
 - `spec`: speculative proposers (`SpecProposer`, what they get: `ProposerContext`,
   `ProposalBatch`, `TargetStep`; the draft models they load: `DraftModel`);
 - `model`: model architectures (`CausalLM`, `KVCacheSpec`, `ModelContext`) and
@@ -17,7 +18,7 @@ Data crossing a boundary is a frozen dataclass; behaviour is a small ABC.
 """
 
 from pagedllm.core.contracts.attention import BatchLayout, AttentionSpec, AttentionMetadataBuilder, AttentionImpl, GraphSupport, AttentionBackend, AttentionContext, KV_CACHE_TORCH_DTYPES, kv_cache_torch_dtype
-from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, QuantConfig, skip_matches
+from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, MoEMethod, QuantConfig, skip_matches
 from pagedllm.core.contracts.spec import CORE_KEYS as SPEC_CORE_KEYS, DraftModel, ProposalBatch, ProposerContext, SpecDecodeConfig, SpecProposer, TargetStep
 from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat
 from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
@@ -38,6 +39,7 @@ __all__ = [
     "KV_CACHE_TORCH_DTYPES",
     "LinearMethod",
     "ModelContext",
+    "MoEMethod",
     "OpImpl",
     "QuantConfig",
     "DraftModel",

@@ -65,6 +65,36 @@ class EmbeddingMethod(ABC):
         """x [T, hidden] @ W^T -> [T, vocab]."""
 
 
+class MoEMethod(ABC):
+    """How one layer's routed experts store their weights and run: the quantizer's
+    counterpart of `LinearMethod` for a whole set of E experts, so that their GEMMs can be
+    grouped (one kernel over every expert) instead of being E separate linear layers.
+
+    The dense layout (the default method's) is `w13_weight` [E, 2I, H] (each expert's gate
+    rows, then its up rows) and `w2_weight` [E, H, I]; a method may register its own
+    tensors, named `w13_<suffix>` / `w2_<suffix>` after the checkpoint's per-expert suffix
+    (`weight`, `weight_scale`, ...), which is how checkpoint names reach them. Every
+    parameter the checkpoint fills has a `weight_loader(param, tensor, (expert, shard))`:
+    `expert` the expert index (None: the tensor stacks every expert along a leading dim),
+    `shard` 0 gate / 1 up of w13 (None: the whole parameter of that expert, e.g. w2 or a
+    fused gate_up).
+    """
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,
+                       params_dtype: torch.dtype) -> None:
+        """Register the experts' parameters on `layer` (see the class docstring)."""
+
+    def process_after_loading(self, layer: nn.Module) -> None:
+        """Repack or convert the loaded weights (called once, after all weights load)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts' output [T, H] for x [T, H]: for each token the sum over its
+        k experts of topk_weights [T, k] (float32) x expert(x), experts topk_ids [T, k]."""
+
+
 class QuantConfig(ABC):
     """A quantization format, built from a checkpoint's `quantization_config` or `--quantization`.
 
@@ -137,6 +167,14 @@ class QuantConfig(ABC):
     def embedding_method(self, prefix: str) -> EmbeddingMethod | None:
         """The method for the vocabulary embedding or lm_head named `prefix`; None = dense."""
         return None
+
+    def moe_method(self, prefix: str) -> MoEMethod | None:
+        """The method for the routed experts named `prefix` (`model.layers.3.mlp.experts`);
+        None = dense experts (a format returns None for experts its skip list leaves
+        unquantized). The default refuses: a format that has not said how it stores
+        experts would otherwise load its quantized tensors as garbage dense weights."""
+        raise NotImplementedError(f"quantization {self.name!r} does not support mixture-of-experts layers yet "
+                                  f"({prefix}); use an unquantized checkpoint or one in a format that does")
 
     def check(self, device: torch.device, dtype: torch.dtype) -> list[str]:
         """Reasons this format cannot run here (empty = it can)."""

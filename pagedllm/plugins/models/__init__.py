@@ -14,6 +14,10 @@ _ARCHITECTURES = {
     "MistralForCausalLM": ("llama", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("qwen", "Qwen3ForCausalLM"),
+    "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
 }
 
 

@@ -14,8 +14,7 @@ record their sub-matrix sizes, and each parameter knows how to load one shard
 
 from __future__ import annotations
 
-import math
-from typing import Any, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +29,8 @@ from pagedllm.core.contracts import (
     QuantConfig,
 )
 from pagedllm import ops
+# rotary embeddings live in rope.py; re-exported here, where model plugins have imported them from
+from pagedllm.plugins.models.rope import RotaryEmbedding, rope_inv_freq, rope_parameters  # noqa: F401
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -138,58 +139,6 @@ class RMSNorm(nn.Module):
             self._scale = (self.weight.float() + self.offset).contiguous()
             self._scale_version = self.weight._version
         return self._scale
-
-
-def rope_parameters(hf_config: Any) -> tuple[float, dict[str, Any]]:
-    """(rope_theta, scaling dict) from either the transformers>=5 `rope_parameters`
-    field or the older `rope_theta` + `rope_scaling` pair."""
-    params = dict(getattr(hf_config, "rope_parameters", None) or {})
-    scaling = dict(getattr(hf_config, "rope_scaling", None) or {})
-    theta = params.pop("rope_theta", None) or getattr(hf_config, "rope_theta", None) or 10000.0
-    scaling.update(params)
-    return float(theta), scaling
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies after the checkpoint's rope scaling, and the position divisor."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = scaling.get("rope_type", scaling.get("type", "default")) or "default"
-    if kind == "default":
-        return inv_freq.float(), 1.0
-    if kind == "linear":
-        return inv_freq.float(), float(scaling["factor"])
-    if kind == "llama3":
-        factor = scaling["factor"]
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
-        return torch.where(medium, smoothed, scaled).float(), 1.0
-    raise NotImplementedError(f"rope scaling type {kind!r} is not supported yet (supported: default, linear, llama3)")
-
-
-class RotaryEmbedding(nn.Module):
-    """The cos/sin tables of a neox-style rotary embedding (rotate halves, as Hugging
-    Face Llama applies it).
-
-    One instance serves every layer: the model looks up cos/sin for the step's
-    positions once (`lookup`) and each layer rotates with `ops.rotary_qkv`.
-    """
-
-    def __init__(self, head_dim: int, max_position: int, theta: float, scaling: dict[str, Any]) -> None:
-        super().__init__()
-        inv_freq, divisor = rope_inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32) / divisor
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
-
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, D/2] (float32) for the step's positions."""
-        return ops.gather_rows(self.cos, positions), ops.gather_rows(self.sin, positions)
 
 
 class Attention(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.core.contracts import AttentionContext, CausalLM, KVCacheSpec, ModelContext
+from pagedllm.core.loader import derived_max_model_len
 from pagedllm.plugins.models.layers import (
     Attention,
     Linear,
@@ -27,24 +28,63 @@ from pagedllm.plugins.models.layers import (
 )
 
 
-def llama_kv_cache_spec(cfg: Any) -> KVCacheSpec:
-    """Head counts and head size as Hugging Face's Llama config spells them."""
+SlidingWindows = Callable[[Any], tuple[int | None, ...]]  # hf_config -> per-layer windows (() = all global)
+
+
+def no_sliding_windows(cfg: Any) -> tuple[int | None, ...]:
+    """Llama: every layer global (transformers' Llama ignores a stray `sliding_window`)."""
+    return ()
+
+
+def every_layer_window(cfg: Any) -> tuple[int | None, ...]:
+    """Mistral: `sliding_window` on every layer when set (transformers' Mistral applies the
+    config's window to all layers and ignores `layer_types`)."""
+    window = getattr(cfg, "sliding_window", None)
+    return (int(window),) * cfg.num_hidden_layers if window else ()
+
+
+def layer_type_windows(cfg: Any) -> tuple[int | None, ...]:
+    """Qwen2 / Qwen3: the layers `layer_types` marks "sliding_attention" take `sliding_window`.
+    transformers' config derives both: `sliding_window` is None unless `use_sliding_window`,
+    and without explicit `layer_types` the layers from `max_window_layers` on slide."""
+    window = getattr(cfg, "sliding_window", None)
+    if not getattr(cfg, "use_sliding_window", True):
+        window = None  # already so in transformers' config classes; not in a hand-built config
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        first = getattr(cfg, "max_window_layers", 0)
+        types = ["sliding_attention" if window is not None and i >= first else "full_attention"
+                 for i in range(cfg.num_hidden_layers)]
+    if "sliding_attention" not in types:
+        return ()
+    if window is None:
+        raise ValueError("layer_types marks sliding_attention layers but the config sets no sliding_window "
+                         "(use_sliding_window is false); transformers refuses it too")
+    return tuple(int(window) if t == "sliding_attention" else None for t in types)
+
+
+def llama_kv_cache_spec(cfg: Any, sliding_windows: SlidingWindows = no_sliding_windows) -> KVCacheSpec:
+    """Head counts and head size as Hugging Face's Llama config spells them; per-layer
+    windows by the architecture's rule (`LlamaAttention.sliding_windows`)."""
     num_heads = cfg.num_attention_heads
     return KVCacheSpec(num_layers=cfg.num_hidden_layers, num_heads=num_heads,
                        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or num_heads,
-                       head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads)
+                       head_size=getattr(cfg, "head_dim", None) or cfg.hidden_size // num_heads,
+                       sliding_windows=sliding_windows(cfg))
 
 
 class LlamaAttention(nn.Module):
     qkv_bias = False  # Qwen2: True (a config's attention_bias also turns it on)
     qk_norm = False  # Qwen3: per-head RMSNorm of q and k before rotary
+    # which layers slide, from the config (the model class's kv_cache_spec reads the same rule)
+    sliding_windows: SlidingWindows = staticmethod(no_sliding_windows)
 
     def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
         cfg = ctx.hf_config
         qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
         qk_norm = self.qk_norm
-        spec = llama_kv_cache_spec(cfg)
+        spec = llama_kv_cache_spec(cfg, self.sliding_windows)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
@@ -77,12 +117,14 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
+    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, intermediate_size: int | None = None) -> None:
+        """`intermediate_size` defaults to the config's (MoE models' shared experts have their own)."""
         super().__init__()
         cfg = ctx.hf_config
-        self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, quant_config=ctx.quant_config,
+        inter = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, quant_config=ctx.quant_config,
                                    prefix=f"{prefix}.gate_up_proj", params_dtype=ctx.dtype)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, quant_config=ctx.quant_config,
+        self.down_proj = Linear(inter, cfg.hidden_size, quant_config=ctx.quant_config,
                                 prefix=f"{prefix}.down_proj", params_dtype=ctx.dtype)
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
@@ -124,8 +166,9 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
         theta, scaling = rope_parameters(cfg)
-        self.rotary = RotaryEmbedding(llama_kv_cache_spec(cfg).head_size, cfg.max_position_embeddings, theta,
-                                      scaling)
+        # the table covers the longest context the engine allows (scaled rope: past max_position_embeddings)
+        self.rotary = RotaryEmbedding(llama_kv_cache_spec(cfg).head_size, derived_max_model_len(cfg)[0], theta,
+                                      scaling, max_position_embeddings=cfg.max_position_embeddings)
 
         self.aux_layers: tuple[int, ...] = ()
 
@@ -188,7 +231,7 @@ class LlamaForCausalLM(CausalLM):
 
     @classmethod
     def kv_cache_spec(cls, hf_config: Any) -> KVCacheSpec:
-        return llama_kv_cache_spec(hf_config)
+        return llama_kv_cache_spec(hf_config, getattr(cls.attention_cls, "sliding_windows", no_sliding_windows))
 
     def _target(self, name: str) -> tuple[str, int | None]:
         parts = name.split(".")
@@ -229,11 +272,12 @@ class LlamaForCausalLM(CausalLM):
         return loaded
 
 
+class MistralAttention(LlamaAttention):
+    sliding_windows = staticmethod(every_layer_window)
+
+
 class MistralForCausalLM(LlamaForCausalLM):
-    def __init__(self, context: ModelContext) -> None:
-        window = getattr(context.hf_config, "sliding_window", None)
-        if window and window < context.hf_config.max_position_embeddings:
-            raise NotImplementedError(
-                f"Mistral with sliding_window={window} is not supported yet; "
-                "only checkpoints without a sliding window (sliding_window: null) load")
-        super().__init__(context)
+    """Llama with `sliding_window` on every layer when the config sets one (then blocks older
+    than the window are released as a request runs)."""
+
+    attention_cls = MistralAttention

@@ -1,33 +1,26 @@
 """Qwen2 and Qwen3: Llama's shape with a biased qkv projection (Qwen2) or per-head
-q/k RMSNorm and no bias (Qwen3)."""
+q/k RMSNorm and no bias (Qwen3); with `use_sliding_window`, the layers `layer_types`
+marks (by default those from `max_window_layers` on) attend to the last `sliding_window`
+tokens."""
 
 from __future__ import annotations
 
-from pagedllm.core.contracts import ModelContext
-from pagedllm.plugins.models.llama import LlamaAttention, LlamaForCausalLM
+from pagedllm.plugins.models.llama import LlamaAttention, LlamaForCausalLM, layer_type_windows
 
 
 class Qwen2Attention(LlamaAttention):
     qkv_bias = True
+    sliding_windows = staticmethod(layer_type_windows)
 
 
 class Qwen3Attention(LlamaAttention):
     qk_norm = True
+    sliding_windows = staticmethod(layer_type_windows)
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen2Attention
 
-    def __init__(self, context: ModelContext) -> None:
-        if getattr(context.hf_config, "use_sliding_window", False):
-            raise NotImplementedError("Qwen2 with use_sliding_window=true is not supported yet")
-        super().__init__(context)
-
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     attention_cls = Qwen3Attention
-
-    def __init__(self, context: ModelContext) -> None:
-        if getattr(context.hf_config, "use_sliding_window", False):
-            raise NotImplementedError("Qwen3 with use_sliding_window=true is not supported yet")
-        super().__init__(context)

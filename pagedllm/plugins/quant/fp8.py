@@ -234,6 +234,14 @@ class Fp8Config(QuantConfig):
             return None
         return Fp8LinearMethod(self)
 
+    def moe_method(self, prefix: str):
+        """FP8 experts, dequantized per expert GEMM (fp8_moe.py); None where skipped."""
+        if self.is_skipped(prefix, self.skip):
+            return None
+        from pagedllm.plugins.quant.fp8_moe import Fp8MoEMethod
+
+        return Fp8MoEMethod(self)
+
     def check(self, device: torch.device, dtype: torch.dtype) -> list[str]:
         if device.type == "cuda" and self.block is None:
             major, minor = torch.cuda.get_device_capability(device)
