@@ -72,7 +72,7 @@ def head_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, ctx: ModelContext, target_hidden: int) -> None:
+    def __init__(self, ctx: ModelContext, target_hidden: int, max_model_len: int) -> None:
         super().__init__()
         cfg = ctx.hf_config
         h, dtype = cfg.hidden_size, ctx.dtype
@@ -89,7 +89,9 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         self.attn = Attention(ctx, 0, self.heads, self.kv_heads, self.head_dim, scale=self.head_dim ** -0.5)
         theta, scaling = rope_parameters(cfg)
-        self.rotary = RotaryEmbedding(self.head_dim, cfg.max_position_embeddings, theta, scaling)
+        # the head drafts at the target's positions, which may run past its own config's length
+        self.rotary = RotaryEmbedding(self.head_dim, max(cfg.max_position_embeddings, max_model_len), theta, scaling,
+                                      max_position_embeddings=cfg.max_position_embeddings)
         self.embed_tokens: VocabEmbedding | None = None  # the head's own, if its checkpoint has one
         self.lm_head = VocabEmbedding(cfg.draft_vocab_size, h, dtype)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long), persistent=False)
@@ -174,7 +176,8 @@ class Eagle3Proposer(SpecProposer):
             raise ValueError("eagle3 needs a worker that builds proposer layers (ProposerContext.model_context)")
         ctx = context.model_context(cfg)
         with torch.device(context.device):
-            self.head = Eagle3Head(ctx, getattr(cfg, "target_hidden_size", None) or target_cfg.hidden_size)
+            self.head = Eagle3Head(ctx, getattr(cfg, "target_hidden_size", None) or target_cfg.hidden_size,
+                                   context.max_model_len)
         load_head(self.head, head_tensors(path), path)
         process_after_loading(self.head)
         self.head.eval()
