@@ -135,8 +135,7 @@ class PluginRegistry:
     def attention_backend(self, requested: str | None, spec: AttentionSpec) -> type[AttentionBackend]:
         """The backend to use: the requested one (which must be able to run), else the
         runnable backend with the highest priority for this device."""
-        reasons = {name: self._kind_reasons(cls, spec) or cls.check(spec)
-                   for name, cls in self.attention_backends.items()}
+        reasons = {name: self.backend_reasons(cls, spec) for name, cls in self.attention_backends.items()}
         runnable = sorted(name for name, r in reasons.items() if not r)
         if requested:
             name = ATTENTION_ALIASES.get(requested.upper(), requested.upper())
@@ -158,12 +157,23 @@ class PluginRegistry:
         best = max(runnable, key=lambda n: self.attention_backends[n].priority.get(device, -1))
         return self.attention_backends[best]
 
+    def backend_reasons(self, cls: type[AttentionBackend], spec: AttentionSpec) -> list[str]:
+        """Why backend `cls` cannot run `spec` here (none when it can): the attention kind or
+        chunked local layers it does not serve (naming the backends that do), else its own
+        `check`."""
+        return self._kind_reasons(cls, spec) or cls.check(spec)
+
     def _kind_reasons(self, cls: type[AttentionBackend], spec: AttentionSpec) -> list[str]:
-        """Why `cls` cannot serve a model of `spec.kind` attention (none when it can)."""
-        if spec.kind in cls.kinds:
-            return []
-        serving = sorted(n for n, c in self.attention_backends.items() if spec.kind in c.kinds)
-        return [f"it does not serve {spec.kind.upper()} attention (backends that do: {', '.join(serving) or 'none'})"]
+        reasons = []
+        if spec.kind not in cls.kinds:
+            serving = sorted(n for n, c in self.attention_backends.items() if spec.kind in c.kinds)
+            reasons.append(f"it does not serve {spec.kind.upper()} attention "
+                           f"(backends that do: {', '.join(serving) or 'none'})")
+        if spec.chunked and not cls.supports_attention_chunks:
+            serving = sorted(n for n, c in self.attention_backends.items() if c.supports_attention_chunks)
+            reasons.append("it does not support chunked local attention (attention_chunk_size) "
+                           f"(backends that do: {', '.join(serving) or 'none'})")
+        return reasons
 
     def graph_runner(self, device: torch.device, backend: type[AttentionBackend]) -> type[GraphRunner] | None:
         """The runnable graph runner with the highest priority for `device`, or None."""

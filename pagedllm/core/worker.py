@@ -115,6 +115,8 @@ def process_after_loading(model: torch.nn.Module) -> None:
         method = getattr(module, "method", None)
         if isinstance(method, (LinearMethod, EmbeddingMethod, MoEMethod)):
             method.process_after_loading(module)
+    if isinstance(model, CausalLM):
+        model.after_loading()
 
 
 def _common_window(specs: Sequence[KVCacheSpec]) -> int | None:
@@ -182,7 +184,7 @@ class Worker:
                              head_size=kv_spec.head_size, dtype=self.dtype,
                              kv_cache_dtype=self.config.cache.kv_cache_dtype, block_size=self.block_size,
                              device=self.device, matmul_precision=self.matmul_precision,
-                             kind=kv_spec.kind, value_size=kv_spec.value_size)
+                             kind=kv_spec.kind, value_size=kv_spec.value_size, chunked=kv_spec.chunked)
 
     def _build_model(self, model_cls: type[CausalLM], source: ModelSource, quant: QuantConfig | None) -> CausalLM:
         """Build a model on this worker's device, dtype and attention backend, and load its
@@ -205,13 +207,14 @@ class Worker:
     def _model_context(self, hf_config: Any) -> ModelContext:
         return ModelContext(hf_config=hf_config, dtype=self.dtype, device=self.device,
                             attention_backend=self.backend, kv_cache_dtype=self.config.cache.kv_cache_dtype,
-                            block_size=self.block_size, extra=dict(self.config.plugin_options))
+                            block_size=self.block_size, extra=dict(self.config.plugin_options),
+                            matmul_precision=self.matmul_precision)
 
     def _metadata_builder(self, kv_spec: KVCacheSpec, what: str = "the proposer's attention layers"):
         """The metadata builder for a proposer's attention layers, which share the target's
         backend and cache dtype (their caches are allocated beside the target's)."""
         attn_spec = self._attention_spec(kv_spec)
-        reasons = self.backend.check(attn_spec)
+        reasons = self.registry.backend_reasons(self.backend, attn_spec)
         if reasons:
             raise ValueError(f"{what} cannot run on the target's attention backend {self.backend.name}: "
                              f"{'; '.join(reasons)}")

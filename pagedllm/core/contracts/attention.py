@@ -77,6 +77,9 @@ class AttentionSpec:
     # keys are the whole latent (head_size elements), values its first value_size
     kind: str = "mha"
     value_size: int | None = None  # MLA: the output head size; None = head_size
+    # some layer attends within fixed chunks (KVCacheSpec.attention_chunks, Llama 4): only
+    # backends with `supports_attention_chunks` can run it
+    chunked: bool = False
 
     @property
     def out_head_size(self) -> int:
@@ -119,11 +122,16 @@ class AttentionImpl(ABC):
         scale: float,
         sliding_window: int | None = None,
         logits_soft_cap: float | None = None,
+        *,
+        attention_chunk_size: int | None = None,
     ) -> None:
         self.spec = spec
         self.scale = scale
         self.sliding_window = sliding_window
         self.logits_soft_cap = logits_soft_cap
+        # chunked local attention (see `forward`); set only on backends that declare
+        # `supports_attention_chunks` (the registry refuses the others for such a model)
+        self.attention_chunk_size = attention_chunk_size
         self.k_scale = 1.0
         self.v_scale = 1.0
 
@@ -142,7 +150,9 @@ class AttentionImpl(ABC):
         Returns [num_tokens, num_heads, head_size] in q's dtype. Causal within the
         step; every query attends to all cached tokens of its request before it (and
         only the last `sliding_window` tokens when set: a query at position p sees keys
-        at positions p - sliding_window + 1 .. p).
+        at positions p - sliding_window + 1 .. p). With `attention_chunk_size` C set, the
+        context is cut into chunks of C positions and a query sees only its own chunk's
+        keys up to itself: positions floor(p / C) * C .. p (Llama 4's local layers).
 
         An "mla" spec: k is the latent [num_tokens, 1, head_size] and v is None; the
         cache (`latent_cache_shape`) holds latents, keys are whole latents, values their
@@ -174,6 +184,9 @@ class AttentionBackend(ABC):
     # the attention kinds (AttentionSpec.kind) this backend serves; the registry refuses
     # a model of another kind here, naming the backends that serve it
     kinds: ClassVar[frozenset[str]] = frozenset({"mha"})
+    # whether its impls honour `attention_chunk_size` (chunked local attention); the
+    # registry refuses a model with chunked layers (AttentionSpec.chunked) elsewhere
+    supports_attention_chunks: ClassVar[bool] = False
 
     @classmethod
     @abstractmethod

@@ -9,7 +9,7 @@ from typing import Any, ClassVar, Iterator
 import torch
 from torch import nn
 
-from pagedllm.core.contracts.attention import AttentionBackend, AttentionContext
+from pagedllm.core.contracts.attention import AttentionBackend, AttentionContext, AttentionSpec
 from pagedllm.core.contracts.quant import QuantConfig
 
 
@@ -35,11 +35,15 @@ class KVCacheSpec:
     value_size: int | None = None
     # per-layer sliding windows in tokens (None = a global layer); () = every layer global
     sliding_windows: tuple[int | None, ...] = ()
+    # per-layer attention chunks in tokens (None = not chunked); () = no layer chunked. A
+    # chunked layer's query at p sees only positions floor(p / C) * C .. p (Llama 4's
+    # local layers); such a model needs a backend with `supports_attention_chunks`
+    attention_chunks: tuple[int | None, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.sliding_windows and len(self.sliding_windows) != self.num_layers:
-            raise ValueError(f"sliding_windows names {len(self.sliding_windows)} layers, the model has "
-                             f"{self.num_layers}")
+        for what, per_layer in (("sliding_windows", self.sliding_windows), ("attention_chunks", self.attention_chunks)):
+            if per_layer and len(per_layer) != self.num_layers:
+                raise ValueError(f"{what} names {len(per_layer)} layers, the model has {self.num_layers}")
         if (self.latent_size is None) != (self.value_size is None):
             raise ValueError("an MLA cache needs both latent_size and value_size")
 
@@ -51,6 +55,17 @@ class KVCacheSpec:
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window (None: it attends to the whole context)."""
         return self.sliding_windows[layer] if self.sliding_windows else None
+
+    def chunk(self, layer: int) -> int | None:
+        """Layer `layer`'s attention chunk size (None: not chunked)."""
+        return self.attention_chunks[layer] if self.attention_chunks else None
+
+    @property
+    def chunked(self) -> bool:
+        """Whether any layer attends within chunks (AttentionSpec.chunked). Chunked layers
+        never let blocks be released early (`kv_window` reads windows only): a chunk's
+        start can lie anywhere up to C - 1 tokens back."""
+        return any(c is not None for c in self.attention_chunks)
 
     @property
     def kv_window(self) -> int | None:
@@ -82,6 +97,16 @@ class ModelContext:
     block_size: int = 16
     quant_config: QuantConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    matmul_precision: str = "highest"  # the worker's (core/precision.py), for AttentionSpec
+
+    def attention_spec(self, num_heads: int, num_kv_heads: int, head_size: int, kind: str = "mha",
+                       value_size: int | None = None) -> AttentionSpec:
+        """The AttentionSpec of one attention layer of this model: its head facts on top of
+        the worker's dtype, cache dtype, block size, device and matmul precision (the same
+        facts the worker's metadata builder sees)."""
+        return AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype=self.dtype,
+                             kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size, device=self.device,
+                             matmul_precision=self.matmul_precision, kind=kind, value_size=value_size)
 
 
 class CausalLM(nn.Module, ABC):
@@ -123,6 +148,10 @@ class CausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab_size] (float32) for the rows that need a token."""
+
+    def after_loading(self) -> None:
+        """Called once by the core after every layer method has repacked its loaded weights:
+        the place to derive tensors from them (MLA's absorbed projections). Default: nothing."""
 
     @abstractmethod
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:

@@ -4,6 +4,12 @@ It is the oracle other backends are tested against, so it favours clarity; still
 never loops over requests in Python for decodes: all decode rows of a step are one
 batched gather + matmul, and each prefill chunk is one matmul over its gathered context.
 KV cache layout: [2, num_blocks, block_size, num_kv_heads, head_size] (K then V).
+
+It also serves "mla" specs (multi-head latent attention): one cache tensor [num_blocks,
+block_size, latent_size] holding a latent per token; every query head attends to the
+whole latent as its key (multi-query: one shared "kv head") and to the latent's first
+`value_size` elements as its value. The same gather, masks and SDPA run; only the
+cache views differ (`_cache_views`).
 """
 
 from __future__ import annotations
@@ -85,7 +91,27 @@ def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapp
     value_cache.index_copy_(0, slot_mapping, v.to(value_cache.dtype))
 
 
+def write_latent(cache: torch.Tensor, latent: torch.Tensor, slot_mapping: torch.Tensor, scale: float) -> None:
+    """MLA: store each new token's latent [T, 1, latent_size] at its slot of the
+    [num_blocks, block_size, latent_size] cache (scaled down when the cache is FP8)."""
+    flat = cache.view(-1, cache.shape[-1])
+    rows = latent.reshape(latent.shape[0], -1)
+    if cache.dtype in KV_CACHE_TORCH_DTYPES.values():
+        rows = (rows.float() / scale).to(cache.dtype).view(torch.uint8)
+        flat = flat.view(torch.uint8)
+    flat.index_copy_(0, slot_mapping, rows.to(flat.dtype))
+
+
 class TorchAttentionImpl(AttentionImpl):
+    def _cache_views(self, kv_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, float, float]:
+        """(key cache, value cache, key scale, value scale), caches as [num_blocks, block_size,
+        kv_heads, dim]. An MLA latent cache is its own key cache with one kv head; its value
+        cache is None: values are the first `value_size` elements of the gathered keys (a
+        view, so the latent is gathered once), and share the key's FP8 scale."""
+        if self.spec.kind == "mla":
+            return kv_cache.unsqueeze(2), None, self.k_scale, self.k_scale
+        return kv_cache[0], kv_cache[1], self.k_scale, self.v_scale
+
     def _read(self, cache: torch.Tensor, blocks: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
         """[B, N * block_size, kvh, D] keys or values of `blocks`, dequantized when FP8."""
         x = cache[blocks].flatten(1, 2)
@@ -105,7 +131,7 @@ class TorchAttentionImpl(AttentionImpl):
                                                  enable_gqa=k.shape[2] != q.shape[2])
             return out.transpose(1, 2)
         b, nq, h, d = q.shape
-        kvh = k.shape[2]
+        kvh, dv = k.shape[2], v.shape[-1]
         group = h // kvh
         qg = q.reshape(b, nq, kvh, group, d).permute(0, 2, 3, 1, 4)  # [B, KVH, G, Q, D]
         kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, KVH, 1, D, K]
@@ -114,25 +140,39 @@ class TorchAttentionImpl(AttentionImpl):
             scores = torch.tanh(scores / self.logits_soft_cap) * self.logits_soft_cap
         scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2).float())  # [B, KVH, G, Q, D]
-        return out.permute(0, 3, 1, 2, 4).reshape(b, nq, h, d).to(q.dtype)
+        out = torch.matmul(probs, v.permute(0, 2, 1, 3).unsqueeze(2).float())  # [B, KVH, G, Q, Dv]
+        return out.permute(0, 3, 1, 2, 4).reshape(b, nq, h, dv).to(q.dtype)
 
     def forward(self, q, k, v, kv_cache, metadata: TorchAttentionMetadata):
-        write_kv(kv_cache, k, v, metadata.layout.slot_mapping, self.k_scale, self.v_scale)
-        return self.attend_groups(q, kv_cache, metadata.groups, torch.empty_like(q))
+        slots = metadata.layout.slot_mapping
+        if self.spec.kind == "mla":
+            write_latent(kv_cache, k, slots, self.k_scale)
+        else:
+            write_kv(kv_cache, k, v, slots, self.k_scale, self.v_scale)
+        out = q.new_empty(q.shape[0], q.shape[1], self.spec.out_head_size)
+        return self.attend_groups(q, kv_cache, metadata.groups, out)
 
     def attend_groups(self, q: torch.Tensor, kv_cache: torch.Tensor, groups: list[AttentionGroup],
                       out: torch.Tensor) -> torch.Tensor:
-        """Fill out[g.rows] for every group (the KV cache already holds this step's keys)."""
+        """Fill out[g.rows] ([T, heads, value size]) for every group (the KV cache already
+        holds this step's keys)."""
+        key_cache, value_cache, k_scale, v_scale = self._cache_views(kv_cache)
         for g in groups:
-            keys = self._read(kv_cache[0], g.blocks, self.k_scale, q.dtype)
-            values = self._read(kv_cache[1], g.blocks, self.v_scale, q.dtype)
+            keys = self._read(key_cache, g.blocks, k_scale, q.dtype)
+            if value_cache is None:  # MLA: values are the latent's leading elements
+                values = keys[..., :self.spec.out_head_size]
+            else:
+                values = self._read(value_cache, g.blocks, v_scale, q.dtype)
             mask = g.mask
             if self.sliding_window:
                 k_pos = torch.arange(keys.shape[1], device=q.device)
                 mask = mask & (k_pos[None, None, :] > g.q_pos[:, :, None] - self.sliding_window)
+            if self.attention_chunk_size:  # only keys of the query's own chunk
+                k_pos = torch.arange(keys.shape[1], device=q.device)
+                chunk_start = g.q_pos.div(self.attention_chunk_size, rounding_mode="floor") * self.attention_chunk_size
+                mask = mask & (k_pos[None, None, :] >= chunk_start[:, :, None])
             qg = q[g.rows].view(g.q_pos.shape[0], g.q_pos.shape[1], *q.shape[1:])
-            result = self._attend(qg, keys, values, mask).reshape(-1, *q.shape[1:])
+            result = self._attend(qg, keys, values, mask).reshape(-1, q.shape[1], values.shape[-1])
             if len(groups) == 1 and result.shape[0] == out.shape[0]:
                 return result  # one group covers every row in order (all decodes, or one prefill)
             out[g.rows] = result
@@ -142,6 +182,8 @@ class TorchAttentionImpl(AttentionImpl):
 class TorchBackend(AttentionBackend):
     name = "TORCH"
     priority = {"cpu": 100, "cuda": 0}
+    kinds = frozenset({"mha", "mla"})
+    supports_attention_chunks = True
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:

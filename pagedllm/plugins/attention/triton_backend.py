@@ -5,6 +5,10 @@ two are interchangeable. Each step's requests split into decodes (one query toke
 split-context decode kernel) and prefill chunks (the varlen causal kernel); the builder
 does that split once per step on the CPU copies, so `forward` never syncs.
 
+An "mla" spec (one latent per token, see KVCacheSpec) keeps a [num_blocks, block_size,
+latent_size] cache, seen by the kernels as one kv head whose keys are the whole latent
+and whose values are its first `value_size` elements (`value_is_key`).
+
 Importing this module needs no triton: the kernels load on the first `forward`.
 """
 
@@ -31,6 +35,8 @@ from pagedllm.core.contracts import (
 _KERNELS_MODULE = "pagedllm.plugins.attention.triton_kernels"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MIN_HEAD_SIZE, MAX_HEAD_SIZE = 16, 256
+# MLA: the value part of the latent and the key's tail beyond it each get their own tile
+MAX_MLA_VALUE_SIZE, MAX_MLA_TAIL = 512, 256
 
 
 def load_kernels() -> ModuleType:
@@ -112,14 +118,21 @@ class TritonAttentionImpl(AttentionImpl):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: TritonAttentionMetadata) -> torch.Tensor:
         kernels = load_kernels()
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        k_scale, v_scale = float(self.k_scale), float(self.v_scale)
-        kernels.write_kv(key_cache, value_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
-        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        mla = self.spec.kind == "mla"
+        if mla:  # the latent cache as one kv head; values are the latents' first value_size elements
+            key_cache = value_cache = kv_cache.unsqueeze(2)
+            k_scale = v_scale = float(self.k_scale)
+            kernels.write_kv(key_cache, None, k, None, metadata.slot_mapping, k_scale, v_scale)
+        else:
+            key_cache, value_cache = kv_cache[0], kv_cache[1]
+            k_scale, v_scale = float(self.k_scale), float(self.v_scale)
+            kernels.write_kv(key_cache, value_cache, k, v, metadata.slot_mapping, k_scale, v_scale)
+        out = torch.empty((q.shape[0], q.shape[1], self.spec.out_head_size), dtype=q.dtype, device=q.device)
         common = dict(
             key_cache=key_cache, value_cache=value_cache, block_tables=metadata.block_tables,
             query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens, scale=self.scale,
             k_scale=k_scale, v_scale=v_scale, window=self.sliding_window, soft_cap=self.logits_soft_cap,
+            value_is_key=mla,
         )
         if metadata.max_prefill_query_len:
             kernels.prefill_attention(out, q, req_ids=metadata.prefill_req_ids,
@@ -148,6 +161,7 @@ class TritonBackend(AttentionBackend):
     name = "TRITON"
     # On the CPU it only runs interpreted (tests); it must never win over TORCH there.
     priority = {"cuda": 10, "cpu": 1}
+    kinds = frozenset({"mha", "mla"})
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:
@@ -166,7 +180,12 @@ class TritonBackend(AttentionBackend):
             reasons.append(f"device {device!r} is not supported (cuda, or cpu with TRITON_INTERPRET=1)")
         if spec.dtype not in SUPPORTED_DTYPES:
             reasons.append(f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)")
-        if not MIN_HEAD_SIZE <= spec.head_size <= MAX_HEAD_SIZE:
+        if spec.kind == "mla":
+            value, tail = spec.out_head_size, spec.head_size - spec.out_head_size
+            if not MIN_HEAD_SIZE <= value <= MAX_MLA_VALUE_SIZE or tail > MAX_MLA_TAIL:
+                reasons.append(f"MLA latent of {spec.head_size} ({value} value + {tail}) is not supported "
+                               f"(value {MIN_HEAD_SIZE}..{MAX_MLA_VALUE_SIZE}, rest up to {MAX_MLA_TAIL})")
+        elif not MIN_HEAD_SIZE <= spec.head_size <= MAX_HEAD_SIZE:
             reasons.append(f"head size {spec.head_size} is not supported ({MIN_HEAD_SIZE}..{MAX_HEAD_SIZE})")
         fp8 = _fp8_reason(spec)
         if fp8:

@@ -12,6 +12,12 @@ repeated in memory. The caller wrote the step's K/V before attending, so every k
 reads all keys (cached prefix and new tokens alike) from the cache; with an FP8 cache this
 gives exactly the values the torch reference reads.
 
+Keys may be longer than values: the output head size (`out.shape[-1]`, V) is the value
+size and q's head size is the key size; the key elements beyond V (the "tail") get their
+own padded tile and dot, so neither part pads far (MLA's 512 + 64 pads to 512 + 64, not
+1024). With `value_is_key` (MLA: one latent per token, a single shared "kv head") the value
+tile is the transpose of the key tile already loaded, the latent's first V elements.
+
 This module is imported only when the TRITON backend runs (it needs triton). On the CPU
 the kernels run under Triton's interpreter, which must be switched on (TRITON_INTERPRET=1)
 before the process first imports triton; a few `tl` operations are avoided or worked
@@ -40,6 +46,12 @@ PREFILL_BLOCK_M = 64  # query rows (token x head-in-group) per program
 PREFILL_BLOCK_N = 64  # keys per inner iteration
 DECODE_BLOCK_N = 64
 MIN_DECODE_ROWS = 16  # tl.dot needs at least 16 rows: a decode tile pads the head group to this
+# Keys padded past this many elements (MLA's 512 + 64) get smaller tiles, so that a program's
+# q, k and v tiles still fit a GPU's shared memory: half the rows and keys per prefill tile,
+# half the keys per decode tile, and decode head groups split to at most DECODE_TILE_ELEMS
+# q elements per program.
+LARGE_KEY_PAD = 256
+DECODE_TILE_ELEMS = 8192
 
 
 # --------------------------------------------------------------------------- device helpers
@@ -97,27 +109,35 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 @triton.jit
 def _attend_range(
-    acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
+    acc, m_i, l_i, q, q_tail, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
     kv_begin, kv_end, sm_scale, k_scale, v_scale, soft_cap, window,
     stride_cache_block, stride_cache_row, stride_cache_head,
-    BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, USE_SOFT_CAP: tl.constexpr, IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, V_SIZE: tl.constexpr, V_PAD: tl.constexpr, TAIL: tl.constexpr,
+    TAIL_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
+    IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, VALUE_IS_KEY: tl.constexpr,
 ):
     """Fold keys [kv_begin, kv_end) of one request into the online-softmax state (acc, m_i, l_i).
 
-    `q_pos` holds each row's absolute position; with CAUSAL, row i sees keys in
-    (q_pos - window, q_pos]. Without it the caller has already clipped the range.
+    `q` holds the rows' first V_SIZE key elements, `q_tail` the TAIL after them (unused
+    when TAIL is 0). `q_pos` holds each row's absolute position; with CAUSAL, row i sees
+    keys in (q_pos - window, q_pos]. Without it the caller has already clipped the range.
     """
-    dims = tl.arange(0, HEAD_PAD)
-    dim_mask = dims < HEAD_SIZE
+    dims = tl.arange(0, V_PAD)
+    dim_mask = dims < V_SIZE
     for start in range(kv_begin, kv_end, BLOCK_N):
         kpos = start + tl.arange(0, BLOCK_N)
         kmask = kpos < kv_end
         block = tl.load(block_table_ptr + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
         offs = block * stride_cache_block + (kpos % BLOCK_SIZE) * stride_cache_row + kv_head * stride_cache_head
         k = _load_kv_tile(key_cache_ptr, offs[None, :] + dims[:, None], kmask[None, :] & dim_mask[:, None],
-                          k_scale, q.dtype, IS_FP8)  # [HEAD_PAD, BLOCK_N]
-        s = _dot(q, k, IEEE_DOT) * sm_scale
+                          k_scale, q.dtype, IS_FP8)  # [V_PAD, BLOCK_N]
+        s = _dot(q, k, IEEE_DOT)
+        if TAIL > 0:
+            tail = V_SIZE + tl.arange(0, TAIL_PAD)
+            k_tail = _load_kv_tile(key_cache_ptr, offs[None, :] + tail[:, None],
+                                   kmask[None, :] & (tail < V_SIZE + TAIL)[:, None], k_scale, q.dtype, IS_FP8)
+            s += _dot(q_tail, k_tail, IEEE_DOT)
+        s = s * sm_scale
         if USE_SOFT_CAP:
             s = soft_cap * _tanh(s / soft_cap)
         s = s * LOG2E
@@ -130,8 +150,11 @@ def _attend_range(
         p = tl.exp2(s - m_ref[:, None])
         alpha = tl.exp2(m_i - m_ref)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_kv_tile(value_cache_ptr, offs[:, None] + dims[None, :], kmask[:, None] & dim_mask[None, :],
-                          v_scale, q.dtype, IS_FP8)  # [BLOCK_N, HEAD_PAD]
+        if VALUE_IS_KEY:
+            v = tl.trans(k)  # [BLOCK_N, V_PAD]
+        else:
+            v = _load_kv_tile(value_cache_ptr, offs[:, None] + dims[None, :], kmask[:, None] & dim_mask[None, :],
+                              v_scale, q.dtype, IS_FP8)  # [BLOCK_N, V_PAD]
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE_DOT)
         m_i = m_new
     return acc, m_i, l_i
@@ -147,8 +170,10 @@ def _write_kv_kernel(
     NUM_KV_HEADS: tl.constexpr, HEAD_SIZE: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_ELEMS: tl.constexpr,
     IS_FP8: tl.constexpr, EMULATE_FP8_ROUNDING: tl.constexpr,
     FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_MAX: tl.constexpr, FP8_MAGIC: tl.constexpr,
+    WRITE_VALUE: tl.constexpr,
 ):
-    """One program per token: copy its K and V (all kv heads) to its slot; slot < 0 = padding."""
+    """One program per token: copy its K and V (all kv heads) to its slot; slot < 0 = padding.
+    Without WRITE_VALUE only the key is written (an MLA latent; the value pointers are unused)."""
     tok = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + tok).to(tl.int64)
     offs = tl.arange(0, BLOCK_ELEMS)
@@ -158,15 +183,18 @@ def _write_kv_kernel(
     dst = (slot // BLOCK_SIZE) * stride_cache_block + (slot % BLOCK_SIZE) * stride_cache_row \
         + head * stride_cache_head + offs % HEAD_SIZE
     k = tl.load(key_ptr + tok.to(tl.int64) * stride_key_tok + offs, mask=mask, other=0.0)
-    v = tl.load(value_ptr + tok.to(tl.int64) * stride_value_tok + offs, mask=mask, other=0.0)
     if IS_FP8:
         k = k.to(tl.float32) / k_scale
-        v = v.to(tl.float32) / v_scale
         if EMULATE_FP8_ROUNDING:
             k = _round_to_fp8_grid(k, FP8_MANTISSA_BITS, FP8_MIN_NORMAL, FP8_MAX, FP8_MAGIC)
-            v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_NORMAL, FP8_MAX, FP8_MAGIC)
     tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    if WRITE_VALUE:
+        v = tl.load(value_ptr + tok.to(tl.int64) * stride_value_tok + offs, mask=mask, other=0.0)
+        if IS_FP8:
+            v = v.to(tl.float32) / v_scale
+            if EMULATE_FP8_ROUNDING:
+                v = _round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_NORMAL, FP8_MAX, FP8_MAGIC)
+        tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -175,9 +203,9 @@ def _prefill_kernel(
     req_ids_ptr, sm_scale, k_scale, v_scale, soft_cap, window,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_row, stride_cache_head, stride_bt_req,
-    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr,
+    GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_SIZE: tl.constexpr, V_PAD: tl.constexpr,
+    TAIL: tl.constexpr, TAIL_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, VALUE_IS_KEY: tl.constexpr,
 ):
     """Grid (request, kv head, row tile): a chunk of query tokens that starts after `seq_len -
     query_len` cached tokens, attending causally to the cached prefix and to itself."""
@@ -192,11 +220,16 @@ def _prefill_kernel(
     tok = rows // GROUP
     head = kv_head * GROUP + rows % GROUP
     row_mask = tok < q_len
-    dims = tl.arange(0, HEAD_PAD)
-    io_mask = row_mask[:, None] & (dims < HEAD_SIZE)[None, :]
+    dims = tl.arange(0, V_PAD)
+    io_mask = row_mask[:, None] & (dims < V_SIZE)[None, :]
     q_rows = (q_start + tok).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head + dims[None, :],
-                mask=io_mask, other=0.0)
+    q_row_ptr = q_ptr + q_rows[:, None] * stride_q_tok + head[:, None] * stride_q_head
+    q = tl.load(q_row_ptr + dims[None, :], mask=io_mask, other=0.0)
+    q_tail = q
+    if TAIL > 0:
+        tail = V_SIZE + tl.arange(0, TAIL_PAD)
+        q_tail = tl.load(q_row_ptr + tail[None, :], mask=row_mask[:, None] & (tail < V_SIZE + TAIL)[None, :],
+                         other=0.0)
     q_pos = ctx_len + tok
 
     # Keys this tile can see: up to its last query's position, from its first query's window start.
@@ -205,15 +238,15 @@ def _prefill_kernel(
     kv_end = tl.where(first_tok < q_len, ctx_len + last_tok + 1, 0)
     kv_begin = tl.maximum(ctx_len + first_tok - window + 1, 0)
 
-    acc = tl.zeros([BLOCK_M, HEAD_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, V_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, q_pos, key_cache_ptr, value_cache_ptr,
+        acc, m_i, l_i, q, q_tail, q_pos, key_cache_ptr, value_cache_ptr,
         block_tables_ptr + req.to(tl.int64) * stride_bt_req, kv_head, kv_begin, kv_end,
         sm_scale, k_scale, v_scale, soft_cap, window,
         stride_cache_block, stride_cache_row, stride_cache_head,
-        BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, BLOCK_N, True, USE_SOFT_CAP, IS_FP8, IEEE_DOT,
+        BLOCK_SIZE, V_SIZE, V_PAD, TAIL, TAIL_PAD, BLOCK_N, True, USE_SOFT_CAP, IS_FP8, IEEE_DOT, VALUE_IS_KEY,
     )
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     tl.store(out_ptr + q_rows[:, None] * stride_o_tok + head[:, None] * stride_o_head + dims[None, :],
@@ -227,11 +260,16 @@ def _decode_kernel(
     sm_scale, k_scale, v_scale, soft_cap, window,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_row, stride_cache_head, stride_bt_req, stride_part_req, stride_part_head,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_SIZE: tl.constexpr,
-    HEAD_PAD: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr,
-    USE_SOFT_CAP: tl.constexpr, IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr,
+    GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    V_SIZE: tl.constexpr, V_PAD: tl.constexpr, TAIL: tl.constexpr, TAIL_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, PARTITION_SIZE: tl.constexpr, SINGLE_PARTITION: tl.constexpr,
+    USE_SOFT_CAP: tl.constexpr, IS_FP8: tl.constexpr, IEEE_DOT: tl.constexpr, VALUE_IS_KEY: tl.constexpr,
 ):
-    """Grid (decode request, kv head, context partition): flash-decoding's first pass.
+    """Grid (decode request, kv head x head block, context partition): flash-decoding's first pass.
+
+    The query heads sharing a kv head are the rows of one tile, GROUP_ROWS at a time: a
+    group too large for one tile at this head size (MLA: every head shares the latent) is
+    split over HEAD_BLOCKS programs.
 
     Each program folds one PARTITION_SIZE slice of the visible context into a partial
     (unnormalised acc, max, sum) that `_decode_reduce_kernel` merges; with a single
@@ -239,7 +277,8 @@ def _decode_kernel(
     empty (max = -inf, sum = 0) and weigh nothing in the merge.
     """
     i = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(1) // HEAD_BLOCKS
+    head_block = tl.program_id(1) % HEAD_BLOCKS
     part = tl.program_id(2)
     req = tl.load(req_ids_ptr + i)
     tok = tl.load(query_start_loc_ptr + req).to(tl.int64)
@@ -247,21 +286,27 @@ def _decode_kernel(
     p_begin = tl.maximum(seq_len - window, 0) + part * PARTITION_SIZE
     p_end = tl.minimum(p_begin + PARTITION_SIZE, seq_len)
 
-    g = tl.arange(0, GROUP_PAD)
+    g = head_block * GROUP_ROWS + tl.arange(0, GROUP_ROWS)
     head = kv_head * GROUP + g
-    dims = tl.arange(0, HEAD_PAD)
-    io_mask = (g < GROUP)[:, None] & (dims < HEAD_SIZE)[None, :]
-    q = tl.load(q_ptr + tok * stride_q_tok + head[:, None] * stride_q_head + dims[None, :], mask=io_mask, other=0.0)
+    dims = tl.arange(0, V_PAD)
+    io_mask = (g < GROUP)[:, None] & (dims < V_SIZE)[None, :]
+    q_row_ptr = q_ptr + tok * stride_q_tok + head[:, None] * stride_q_head
+    q = tl.load(q_row_ptr + dims[None, :], mask=io_mask, other=0.0)
+    q_tail = q
+    if TAIL > 0:
+        tail = V_SIZE + tl.arange(0, TAIL_PAD)
+        q_tail = tl.load(q_row_ptr + tail[None, :], mask=(g < GROUP)[:, None] & (tail < V_SIZE + TAIL)[None, :],
+                         other=0.0)
 
-    acc = tl.zeros([GROUP_PAD, HEAD_PAD], dtype=tl.float32)
-    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_ROWS, V_PAD], dtype=tl.float32)
+    m_i = tl.full([GROUP_ROWS], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([GROUP_ROWS], dtype=tl.float32)
     acc, m_i, l_i = _attend_range(
-        acc, m_i, l_i, q, g, key_cache_ptr, value_cache_ptr,
+        acc, m_i, l_i, q, q_tail, g, key_cache_ptr, value_cache_ptr,
         block_tables_ptr + req.to(tl.int64) * stride_bt_req, kv_head, p_begin, p_end,
         sm_scale, k_scale, v_scale, soft_cap, window,
         stride_cache_block, stride_cache_row, stride_cache_head,
-        BLOCK_SIZE, HEAD_SIZE, HEAD_PAD, BLOCK_N, False, USE_SOFT_CAP, IS_FP8, IEEE_DOT,
+        BLOCK_SIZE, V_SIZE, V_PAD, TAIL, TAIL_PAD, BLOCK_N, False, USE_SOFT_CAP, IS_FP8, IEEE_DOT, VALUE_IS_KEY,
     )
     if SINGLE_PARTITION:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -271,14 +316,14 @@ def _decode_kernel(
         part_idx = i.to(tl.int64) * stride_part_req + head * stride_part_head + part
         tl.store(part_max_ptr + part_idx, m_i, mask=g < GROUP)
         tl.store(part_sum_ptr + part_idx, l_i, mask=g < GROUP)
-        tl.store(part_acc_ptr + part_idx[:, None] * HEAD_PAD + dims[None, :], acc, mask=io_mask)
+        tl.store(part_acc_ptr + part_idx[:, None] * V_PAD + dims[None, :], acc, mask=io_mask)
 
 
 @triton.jit
 def _decode_reduce_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, query_start_loc_ptr, req_ids_ptr, num_partitions,
     stride_o_tok, stride_o_head, stride_part_req, stride_part_head,
-    HEAD_SIZE: tl.constexpr, HEAD_PAD: tl.constexpr, PART_PAD: tl.constexpr,
+    V_SIZE: tl.constexpr, V_PAD: tl.constexpr, PART_PAD: tl.constexpr,
 ):
     """Grid (decode request, query head): merge the partitions' partial softmax states."""
     i = tl.program_id(0)
@@ -290,11 +335,11 @@ def _decode_reduce_kernel(
     m = tl.load(part_max_ptr + idx, mask=pmask, other=float("-inf"))
     l = tl.load(part_sum_ptr + idx, mask=pmask, other=0.0)
     w = tl.exp2(m - tl.max(m, 0))  # partition 0 is never empty, so the max is finite
-    dims = tl.arange(0, HEAD_PAD)
-    acc = tl.load(part_acc_ptr + idx[:, None] * HEAD_PAD + dims[None, :], mask=pmask[:, None], other=0.0)
+    dims = tl.arange(0, V_PAD)
+    acc = tl.load(part_acc_ptr + idx[:, None] * V_PAD + dims[None, :], mask=pmask[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.sum(l * w, 0)
     tl.store(out_ptr + tok * stride_o_tok + head * stride_o_head + dims, out.to(out_ptr.dtype.element_ty),
-             mask=dims < HEAD_SIZE)
+             mask=dims < V_SIZE)
 
 
 # --------------------------------------------------------------------------- launchers
@@ -302,6 +347,10 @@ def _decode_reduce_kernel(
 
 def _pow2(n: int, at_least: int = 1) -> int:
     return max(at_least, triton.next_power_of_2(n))
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << max(0, n.bit_length() - 1)
 
 
 def _cache_strides(cache: torch.Tensor) -> tuple[int, int, int]:
@@ -317,13 +366,17 @@ def _heads_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
-    """Store `key`/`value` [tokens, kv_heads, dim] at their slots (divided by the scale for FP8)."""
+def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor | None, key: torch.Tensor,
+             value: torch.Tensor | None, slot_mapping: torch.Tensor, k_scale: float, v_scale: float) -> None:
+    """Store `key`/`value` [tokens, kv_heads, dim] at their slots (divided by the scale for FP8).
+    With `value_cache` and `value` None only the key is written (an MLA latent cache)."""
     num_tokens, num_kv_heads, head_size = key.shape
     if num_tokens == 0:
         return
-    key, value = _heads_contiguous(key), _heads_contiguous(value)
+    write_value = value is not None
+    key = _heads_contiguous(key)
+    value = _heads_contiguous(value) if write_value else key
+    value_cache = value_cache if write_value else key_cache
     is_fp8 = key_cache.dtype in FP8_DTYPES
     mantissa, min_normal, max_finite = _FP8_FORMATS.get(key_cache.dtype, (3, 1.0, 1.0))
     _write_kv_kernel[(num_tokens,)](
@@ -333,40 +386,69 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, key: torch.Tens
         BLOCK_ELEMS=_pow2(num_kv_heads * head_size),
         IS_FP8=is_fp8, EMULATE_FP8_ROUNDING=is_fp8 and key_cache.device.type == "cpu",
         FP8_MANTISSA_BITS=mantissa, FP8_MIN_NORMAL=min_normal, FP8_MAX=max_finite,
-        FP8_MAGIC=min_normal * 2.0 ** (23 - mantissa), num_warps=4,
+        FP8_MAGIC=min_normal * 2.0 ** (23 - mantissa), WRITE_VALUE=write_value, num_warps=4,
     )
 
 
-def _common(q: torch.Tensor, key_cache: torch.Tensor, window: int | None,
-            soft_cap: float | None) -> tuple[dict, tuple[float, int]]:
-    """Constexprs shared by prefill and decode, and the runtime (soft_cap, window) with "off" values."""
+def _common(q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, window: int | None,
+            soft_cap: float | None, value_is_key: bool) -> tuple[dict, tuple[float, int]]:
+    """Constexprs shared by prefill and decode, and the runtime (soft_cap, window) with "off"
+    values. The value size is out's head size; the key's tail is what q has beyond it."""
+    value_size, tail = out.shape[-1], q.shape[-1] - out.shape[-1]
+    if tail < 0:
+        raise ValueError(f"the value size {value_size} exceeds the key size {q.shape[-1]}")
     return dict(
-        HEAD_SIZE=q.shape[-1], HEAD_PAD=_pow2(q.shape[-1], 16), BLOCK_SIZE=key_cache.shape[1],
-        USE_SOFT_CAP=bool(soft_cap), IS_FP8=key_cache.dtype in FP8_DTYPES,
+        V_SIZE=value_size, V_PAD=_pow2(value_size, 16), TAIL=tail, TAIL_PAD=_pow2(tail, 16),
+        BLOCK_SIZE=key_cache.shape[1], USE_SOFT_CAP=bool(soft_cap), IS_FP8=key_cache.dtype in FP8_DTYPES,
         IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
+        VALUE_IS_KEY=value_is_key,
     ), (float(soft_cap or 1.0), int(window or NO_WINDOW))
+
+
+def _key_pad(consts: dict) -> int:
+    """Elements of one padded key row (its value part and its tail)."""
+    return consts["V_PAD"] + (consts["TAIL_PAD"] if consts["TAIL"] else 0)
+
+
+def prefill_tiles(key_pad: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) of the prefill kernel for keys of `key_pad` padded elements."""
+    if key_pad > LARGE_KEY_PAD:
+        return PREFILL_BLOCK_M // 2, PREFILL_BLOCK_N // 2, 8
+    return PREFILL_BLOCK_M, PREFILL_BLOCK_N, 4
+
+
+def decode_tiles(group: int, key_pad: int) -> tuple[int, int, int]:
+    """(GROUP_ROWS, HEAD_BLOCKS, BLOCK_N) of the decode kernel: query heads per program (at
+    most DECODE_TILE_ELEMS q elements, at least the 16 rows tl.dot needs), programs per kv
+    head, and keys per tile."""
+    rows = min(_pow2(group, MIN_DECODE_ROWS), max(MIN_DECODE_ROWS, _pow2_floor(DECODE_TILE_ELEMS // key_pad)))
+    block_n = DECODE_BLOCK_N // 2 if key_pad > LARGE_KEY_PAD else DECODE_BLOCK_N
+    return rows, triton.cdiv(group, rows), block_n
 
 
 def prefill_attention(
     out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, req_ids: torch.Tensor,
     max_query_len: int, scale: float, k_scale: float, v_scale: float,
-    window: int | None = None, soft_cap: float | None = None,
+    window: int | None = None, soft_cap: float | None = None, value_is_key: bool = False,
 ) -> None:
-    """Causal attention for the requests `req_ids` (int32, on device) over their paged context."""
+    """Causal attention for the requests `req_ids` (int32, on device) over their paged context.
+    out: [tokens, heads, value size]; q: [tokens, heads, key size]; `value_is_key`: values are
+    the keys' first value-size elements (MLA; `value_cache` is then not read)."""
     num_reqs = req_ids.shape[0]
     if num_reqs == 0:
         return
     q = _heads_contiguous(q)
     num_kv_heads = key_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    consts, (cap, win) = _common(q, key_cache, window, soft_cap)
-    grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len * group, PREFILL_BLOCK_M))
+    consts, (cap, win) = _common(q, out, key_cache, window, soft_cap, value_is_key)
+    block_m, block_n, num_warps = prefill_tiles(_key_pad(consts))
+    grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     _prefill_kernel[grid](
         out, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, req_ids,
         float(scale), float(k_scale), float(v_scale), cap, win,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(key_cache), block_tables.stride(0),
-        GROUP=group, BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=PREFILL_BLOCK_N, num_warps=4, num_stages=2, **consts,
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=2, **consts,
     )
 
 
@@ -384,17 +466,19 @@ def decode_attention(
     out: torch.Tensor, q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, req_ids: torch.Tensor,
     max_context: int, partition_size: int, scale: float, k_scale: float, v_scale: float,
-    window: int | None = None, soft_cap: float | None = None,
+    window: int | None = None, soft_cap: float | None = None, value_is_key: bool = False,
 ) -> None:
     """One query token per request in `req_ids`; `max_context` bounds the visible keys
-    (min(seq_len, window)) over those requests, which sets the number of partitions."""
+    (min(seq_len, window)) over those requests, which sets the number of partitions.
+    Shapes and `value_is_key` as in `prefill_attention`."""
     num_reqs = req_ids.shape[0]
     if num_reqs == 0:
         return
     q = _heads_contiguous(q)
     num_heads, num_kv_heads = q.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    consts, (cap, win) = _common(q, key_cache, window, soft_cap)
+    consts, (cap, win) = _common(q, out, key_cache, window, soft_cap, value_is_key)
+    rows, head_blocks, block_n = decode_tiles(group, _key_pad(consts))
     num_parts = triton.cdiv(max_context, partition_size)
     single = num_parts == 1
     if single:  # the partial buffers are compiled out; `out` stands in for them
@@ -402,21 +486,21 @@ def decode_attention(
     else:
         part_max = torch.empty((num_reqs, num_heads, num_parts), dtype=torch.float32, device=q.device)
         part_sum = torch.empty_like(part_max)
-        part_acc = torch.empty((num_reqs, num_heads, num_parts, consts["HEAD_PAD"]), dtype=torch.float32,
+        part_acc = torch.empty((num_reqs, num_heads, num_parts, consts["V_PAD"]), dtype=torch.float32,
                                device=q.device)
     stride_req, stride_head = num_heads * num_parts, num_parts
-    _decode_kernel[(num_reqs, num_kv_heads, num_parts)](
+    _decode_kernel[(num_reqs, num_kv_heads * head_blocks, num_parts)](
         out, part_acc, part_max, part_sum, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
         req_ids, float(scale), float(k_scale), float(v_scale), cap, win,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(key_cache), block_tables.stride(0),
         stride_req, stride_head,
-        GROUP=group, GROUP_PAD=_pow2(group, MIN_DECODE_ROWS), BLOCK_N=DECODE_BLOCK_N, PARTITION_SIZE=partition_size,
+        GROUP=group, GROUP_ROWS=rows, HEAD_BLOCKS=head_blocks, BLOCK_N=block_n, PARTITION_SIZE=partition_size,
         SINGLE_PARTITION=single, num_warps=4, **consts,
     )
     if not single:
         _decode_reduce_kernel[(num_reqs, num_heads)](
             out, part_acc, part_max, part_sum, query_start_loc, req_ids, num_parts,
             out.stride(0), out.stride(1), stride_req, stride_head,
-            HEAD_SIZE=consts["HEAD_SIZE"], HEAD_PAD=consts["HEAD_PAD"], PART_PAD=_pow2(num_parts),
+            V_SIZE=consts["V_SIZE"], V_PAD=consts["V_PAD"], PART_PAD=_pow2(num_parts),
             num_warps=4,
         )

@@ -16,8 +16,11 @@ _ARCHITECTURES = {
     "Qwen3ForCausalLM": ("qwen", "Qwen3ForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
 }
 
 

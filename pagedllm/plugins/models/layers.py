@@ -22,7 +22,6 @@ from torch import nn
 
 from pagedllm.core.contracts import (
     AttentionContext,
-    AttentionSpec,
     EmbeddingMethod,
     LinearMethod,
     ModelContext,
@@ -146,14 +145,13 @@ class Attention(nn.Module):
 
     def __init__(self, context: ModelContext, layer_idx: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, sliding_window: int | None = None,
-                 logits_soft_cap: float | None = None) -> None:
+                 logits_soft_cap: float | None = None, attention_chunk_size: int | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        spec = AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_dim,
-                             dtype=context.dtype, kv_cache_dtype=context.kv_cache_dtype,
-                             block_size=context.block_size, device=context.device)
-        self.impl = context.attention_backend.impl_cls()(spec, scale, sliding_window, logits_soft_cap)
+        spec = context.attention_spec(num_heads, num_kv_heads, head_dim)
+        chunking = {"attention_chunk_size": attention_chunk_size} if attention_chunk_size else {}
+        self.impl = context.attention_backend.impl_cls()(spec, scale, sliding_window, logits_soft_cap, **chunking)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
         out = self.impl.forward(q, k, v, attn.kv_caches[self.layer_idx], attn.metadata)

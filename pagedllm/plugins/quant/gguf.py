@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import functools
 import re
-from dataclasses import dataclass
-from typing import Any, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -33,6 +33,84 @@ class _Arch:
     hf_architecture: str
     config_class: str  # a transformers config class name
     permute_qk: bool  # llama.cpp permuted q/k rows at conversion
+    layer_names: dict[str, str] = field(default_factory=dict)  # this arch's GGUF -> HF layer names over _LAYER_NAMES
+    norm_shift: float = 0.0  # llama.cpp stored norm weights + this (Gemma's (1 + w) norms: 1)
+    extra_config: Callable[["GGUFFormat"], dict[str, Any]] | None = None  # arch-specific config fields
+
+
+# llama.cpp's rules where a Gemma GGUF is silent: every n-th layer global, soft-caps (Gemma 2
+# defaults), and the 27B models (by layer count) scale queries by hidden/heads, not head_dim
+_GEMMA = {"gemma2": dict(pattern=2, caps=(50.0, 30.0), layers_27b=46),
+          "gemma3": dict(pattern=6, caps=(None, None), layers_27b=62)}
+
+
+def _gemma_config(fmt: "GGUFFormat") -> dict[str, Any]:
+    """Gemma 2 / 3 config fields from GGUF metadata (the rest is generic)."""
+    rules = _GEMMA[fmt.arch]
+    layers, hidden = fmt._require("block_count"), fmt._require("embedding_length")
+    heads = fmt._require("attention.head_count")
+    pattern = fmt._meta("attention.sliding_window_pattern", rules["pattern"])
+    if isinstance(pattern, int):
+        sliding = [bool((i + 1) % pattern) for i in range(layers)]
+    else:  # one flag per layer, true = sliding
+        sliding = [bool(flag) for flag in pattern]
+    attn_cap, final_cap = (fmt._meta(key, default) for key, default in
+                           zip(("attn_logit_softcapping", "final_logit_softcapping"), rules["caps"]))
+    out = dict(layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+               sliding_window=fmt._require("attention.sliding_window"),
+               query_pre_attn_scalar=hidden // heads if layers == rules["layers_27b"] else
+               int(fmt._meta("attention.key_length", hidden // heads)),
+               attn_logit_softcapping=None if attn_cap is None else float(attn_cap),
+               final_logit_softcapping=None if final_cap is None else float(final_cap))
+    if fmt.arch == "gemma3":  # the sliding layers' own rope base (llama.cpp's default 10000)
+        out["rope_local_base_freq"] = float(fmt._meta("rope.freq_base_swa", 10000.0))
+    return out
+
+
+_GEMMA_NAMES = {"post_attention_norm": "post_attention_layernorm", "ffn_norm": "pre_feedforward_layernorm",
+                "post_ffw_norm": "post_feedforward_layernorm"}
+
+# llama.cpp's MoE names: router, the experts stacked per projection [E, rows, cols], and
+# Qwen2-MoE's shared expert with its sigmoid gate (a 1-D [H] tensor in llama.cpp's files)
+_MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
+              "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj",
+              "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+              "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate"}
+
+
+def _qwen_moe_config(fmt: "GGUFFormat") -> dict[str, Any]:
+    """Qwen2-MoE / Qwen3-MoE config fields. A layer is sparse where the file has its router
+    (llama.cpp's files: every layer); sizes default to the tensors' shapes where the
+    metadata is silent. llama.cpp hard-codes the routing: qwen3moe renormalizes the top-k
+    probabilities (norm_topk_prob), qwen2moe does not, whatever the file says."""
+    f = fmt.file
+    layers = fmt._require("block_count")
+    sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in f.tensors]
+    if not sparse:
+        raise GGUFError(f"{fmt.path}: {fmt.arch} GGUF has no expert router (blk.N.ffn_gate_inp.weight)")
+    first = sparse[0]
+
+    def size(key: str, tensor: str, dim: int) -> int:  # metadata, else the tensor's shape
+        info = f.tensors.get(f"blk.{first}.{tensor}.weight")
+        value = fmt._meta(key, None if info is None else info.shape[dim])
+        if value is None:
+            raise GGUFError(f"{fmt.path}: GGUF metadata is missing {fmt.arch}.{key} (and there is no {tensor})")
+        return int(value)
+
+    scale = float(fmt._meta("expert_weights_scale", 0.0))
+    if scale not in (0.0, 1.0):
+        raise NotImplementedError(f"{fmt.path}: {fmt.arch} expert_weights_scale {scale} is not supported "
+                                  "(Qwen-MoE routing has no scaling factor)")
+    out: dict[str, Any] = dict(
+        num_experts=size("expert_count", "ffn_gate_exps", 0),
+        num_experts_per_tok=fmt._require("expert_used_count"),
+        moe_intermediate_size=size("expert_feed_forward_length", "ffn_gate_exps", 1),
+        norm_topk_prob=fmt.arch == "qwen3moe", decoder_sparse_step=1,
+        mlp_only_layers=[i for i in range(layers) if i not in sparse])
+    if fmt.arch == "qwen2moe":
+        out["shared_expert_intermediate_size"] = size("expert_shared_feed_forward_length", "ffn_gate_shexp", 0)
+        out["qkv_bias"] = "blk.0.attn_q.bias" in f.tensors
+    return out
 
 
 # GGUF `general.architecture` -> how to present it; each needs a model plugin of that HF name.
@@ -40,6 +118,14 @@ ARCHITECTURES = {
     "llama": _Arch("LlamaForCausalLM", "LlamaConfig", permute_qk=True),
     "qwen2": _Arch("Qwen2ForCausalLM", "Qwen2Config", permute_qk=False),
     "qwen3": _Arch("Qwen3ForCausalLM", "Qwen3Config", permute_qk=False),
+    "gemma2": _Arch("Gemma2ForCausalLM", "Gemma2Config", permute_qk=False, layer_names=_GEMMA_NAMES,
+                    norm_shift=1.0, extra_config=_gemma_config),
+    "gemma3": _Arch("Gemma3ForCausalLM", "Gemma3TextConfig", permute_qk=False, layer_names=_GEMMA_NAMES,
+                    norm_shift=1.0, extra_config=_gemma_config),
+    "qwen2moe": _Arch("Qwen2MoeForCausalLM", "Qwen2MoeConfig", permute_qk=False, layer_names=_MOE_NAMES,
+                      extra_config=_qwen_moe_config),
+    "qwen3moe": _Arch("Qwen3MoeForCausalLM", "Qwen3MoeConfig", permute_qk=False, layer_names=_MOE_NAMES,
+                      extra_config=_qwen_moe_config),
 }
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -54,13 +140,14 @@ _LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "dow
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
-def hf_name(gguf_name: str, path: str) -> str:
+def hf_name(gguf_name: str, path: str, layer_names: dict[str, str] | None = None) -> str:
     """The Hugging Face parameter name of a GGUF tensor (`blk.3.attn_q.weight` ->
-    `model.layers.3.self_attn.q_proj.weight`)."""
+    `model.layers.3.self_attn.q_proj.weight`); `layer_names` overrides the layer map."""
+    names = {**_LAYER_NAMES, **(layer_names or {})}
     match = _LAYER_RE.match(gguf_name)
-    if match and match.group(2) in _LAYER_NAMES:
+    if match and match.group(2) in names:
         layer, part, kind = match.groups()
-        return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     base, _, kind = gguf_name.rpartition(".")
     if base in _GLOBAL_NAMES and kind in ("weight", "bias"):
         return f"{_GLOBAL_NAMES[base]}.{kind}"
@@ -142,6 +229,8 @@ class GGUFFormat(CheckpointFormat):
         if "rope_freqs.weight" in f.tensors:
             raise NotImplementedError(f"{self.path}: GGUF rope_freqs (Llama 3.1-style rope scaling) "
                                       "is not supported yet")
+        if spec.extra_config is not None:
+            kwargs.update(spec.extra_config(self))
         return getattr(transformers, spec.config_class)(**kwargs)
 
     def tokenizer(self) -> Any:
@@ -163,19 +252,25 @@ class GGUFFormat(CheckpointFormat):
         return None
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every tensor under its HF name: float32, or (quantized linear and embedding
-        weights) raw uint8 rows tagged by `gguf_linear.tag_raw`. Tensors are fresh copies."""
+        """Every tensor under its HF name: float32, or (quantized linear, embedding and
+        stacked expert weights) raw uint8 rows tagged by `gguf_linear.tag_raw`. Tensors are
+        fresh copies."""
         self.hf_config()  # fail on an unsupported file before streaming anything
+        spec = ARCHITECTURES[self.arch]
         for gguf_name, info in self.file.tensors.items():
-            name = hf_name(gguf_name, self.path)
+            name = hf_name(gguf_name, self.path, spec.layer_names)
             heads = self._permute_heads(name)
             data = self.file.tensor_bytes(gguf_name)
             is_matrix = name in _EMBEDDINGS or (name.endswith(".weight") and name.rsplit(".", 2)[-2] in _LINEARS)
-            if is_matrix and info.qtype not in FLOAT_TYPES:
-                tensor = torch.from_numpy(np.array(data, copy=True)).reshape(info.shape[0], -1)
+            if is_matrix and info.qtype not in FLOAT_TYPES:  # stacked experts stay 3-D (gguf_moe.py)
+                tensor = torch.from_numpy(np.array(data, copy=True)).reshape(*info.shape[:-1], -1)
                 if heads:
                     tensor = unpermute_rows(tensor, heads)
                 yield name, tag_raw(tensor, info.qtype)
                 continue
             tensor = dequantize_numpy(data, info.qtype, info.shape)
+            if spec.norm_shift and name.endswith("norm.weight"):
+                tensor = tensor - spec.norm_shift
+            if name.endswith(".shared_expert_gate.weight") and tensor.dim() == 1:
+                tensor = tensor[None]  # llama.cpp's [H] -> the gate's [1, H]
             yield name, unpermute_rows(tensor, heads) if heads else tensor

@@ -18,6 +18,7 @@ Two modes (`GGUFConfig.keep_dense`):
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -25,15 +26,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import ops
-from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, QuantConfig
+from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, MoEMethod, QuantConfig
 from pagedllm.ops.cpu import crossover, dense as dense_kernels, native
 from pagedllm.plugins.quant import gguf_int4
 from pagedllm.plugins.quant.gguf_dequant import dequantize
 from pagedllm.plugins.quant.gguf_file import check_supported, type_name
 
+logger = logging.getLogger("pagedllm")
+
 
 def tag_raw(raw: torch.Tensor, qtype: int) -> torch.Tensor:
-    """Mark a uint8 [rows, bytes_per_row] tensor as ggml blocks of type `qtype`.
+    """Mark a uint8 [rows, bytes_per_row] tensor (stacked experts: [E, rows,
+    bytes_per_row]) as ggml blocks of type `qtype`.
 
     The tag is a plain attribute: the worker passes non-float tensors through untouched,
     and `GGUFLinearMethod`'s loader is the only reader.
@@ -326,3 +330,14 @@ class GGUFConfig(QuantConfig):
 
     def embedding_method(self, prefix: str) -> EmbeddingMethod | None:
         return GGUFEmbeddingMethod(self.keep_dense)
+
+    def moe_method(self, prefix: str) -> MoEMethod | None:
+        """Routed experts from llama.cpp's stacked tensors (gguf_moe.py): dequantized to the
+        compute dtype at load, or (keep-quantized) kept as blocks."""
+        from pagedllm.plugins.quant.gguf_moe import GGUFMoEMethod
+
+        if not getattr(self, "_moe_logged", False):
+            self._moe_logged = True
+            logger.info("GGUF experts: %s", "dequantized to the compute dtype at load (the GGUF linear kernels "
+                        "take 2-D weights)" if self.keep_dense else "kept as ggml blocks, multiplied per expert")
+        return GGUFMoEMethod(self.keep_dense)
