@@ -63,10 +63,12 @@ def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.devi
 
 
 def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
-    """Whether this call multiplies from the repacked blocks: always without a dense copy,
-    else for batches below `layer.gguf_native_below` rows (float32 x in both cases)."""
-    return (bool(layer.gguf_packed) and x.dtype == torch.float32
-            and (not layer.gguf_has_dense or rows < layer.gguf_native_below))
+    """Whether this call multiplies from the repacked blocks: always without a dense copy
+    (they are all there is: activations of another dtype go through float32), else for
+    float32 batches below `layer.gguf_native_below` rows."""
+    if not layer.gguf_packed:
+        return False
+    return not layer.gguf_has_dense or (x.dtype == torch.float32 and rows < layer.gguf_native_below)
 
 
 def _int4_small_rows(raw: torch.Tensor, qtype: int | None, k: int, what: str, native_fn):
@@ -183,12 +185,12 @@ class GGUFLinearMethod(LinearMethod):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // layer.gguf_input_size
         if _takes_native(layer, x, rows):
-            x2 = x.reshape(rows, layer.gguf_input_size)
+            x2 = x.reshape(rows, layer.gguf_input_size).float()  # the kernels take float32 activations
             # with a dense copy, the blocks serve only batches below the measured crossover
             out = layer.gguf_int4(x2) if layer.gguf_int4 is not None else _native_linear(layer, x2)
             if bias is not None:
                 out += bias
-            return out.view(*x.shape[:-1], out.shape[-1])
+            return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
         if layer.gguf_dense is not None:
             return layer.gguf_dense(x, bias)
         # keep-quantized and not natively readable: dequantize this call
@@ -298,14 +300,12 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
     def logits(self, layer, x):
         rows = x.numel() // layer.gguf_shape[1]
         packed = layer.gguf_packed
-        if _takes_native(layer, x, rows):
-            return native.linear(x.reshape(rows, -1).contiguous(), packed)
+        if _takes_native(layer, x, rows):  # float32 activations for the kernels
+            return native.linear(x.reshape(rows, -1).float().contiguous(), packed).to(x.dtype)
         if layer.gguf_head is not None:
             return layer.gguf_head(x, None)
-        if packed is not None:  # keep-quantized, not float32: dequantize everything for this call
-            dense = native.dequantize_rows(packed, torch.arange(packed.n))
-        else:
-            dense = _dequantize(layer.qweight_raw, layer.gguf_qtype, layer.gguf_shape[1])
+        # keep-quantized blocks the native kernels cannot read: dequantize for this call
+        dense = _dequantize(layer.qweight_raw, layer.gguf_qtype, layer.gguf_shape[1])
         return F.linear(x, dense.to(x.dtype))
 
 

@@ -280,6 +280,21 @@ def test_tiny_keep_quantized_q8_0_matches_dequantized(tiny_model_dir, tmp_path) 
                 assert lp.logprob == pytest.approx(row_b[token_id].logprob, abs=LOGPROB_ATOL)
 
 
+def test_tiny_keep_quantized_serves_a_bfloat16_model(tiny_model_dir, tmp_path) -> None:
+    """Kept Q8_0 blocks are all a layer has: bf16 activations must reach the native kernels
+    through float32 (this used to fail with an empty dequantization list), and agree with
+    the dense bf16 model up to bf16 rounding."""
+    hf_dir = tiny_model_dir("qwen2")
+    path = write_gguf(hf_dir, tmp_path / "tiny-q8.gguf", "qwen2", linear_type=T.Q8_0)
+    options = dict(tokenizer=str(hf_dir), kv_cache_memory=1 << 22, dtype="bfloat16")
+    kept = _greedy(LLM(str(path), plugin_options={"gguf_keep_quantized": True}, **options), TINY_PROMPTS, 1)
+    dense = _greedy(LLM(str(path), **options), TINY_PROMPTS, 1)
+    for a, b in zip(kept, dense):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids, "kept blocks and dense weights pick different tokens"
+        (token, lp), = a.outputs[0].logprobs[0].items()
+        assert lp.logprob == pytest.approx(b.outputs[0].logprobs[0][token].logprob, abs=0.1)
+
+
 # --------------------------------------------------------------------------- errors
 
 
