@@ -5,6 +5,9 @@ two are interchangeable. Each step's requests split into decodes (one query toke
 split-context decode kernel) and prefill chunks (the varlen causal kernel); the builder
 does that split once per step on the CPU copies, so `forward` never syncs.
 
+Sliding windows and chunked local attention (Llama 4) only move each query's first
+visible key, so both run in the same kernels.
+
 An "mla" spec (one latent per token, see KVCacheSpec) keeps a [num_blocks, block_size,
 latent_size] cache, seen by the kernels as one kv head whose keys are the whole latent
 and whose values are its first `value_size` elements (`value_is_key`).
@@ -132,13 +135,15 @@ class TritonAttentionImpl(AttentionImpl):
             key_cache=key_cache, value_cache=value_cache, block_tables=metadata.block_tables,
             query_start_loc=metadata.query_start_loc, seq_lens=metadata.seq_lens, scale=self.scale,
             k_scale=k_scale, v_scale=v_scale, window=self.sliding_window, soft_cap=self.logits_soft_cap,
-            value_is_key=mla,
+            value_is_key=mla, attention_chunk_size=self.attention_chunk_size,
         )
         if metadata.max_prefill_query_len:
             kernels.prefill_attention(out, q, req_ids=metadata.prefill_req_ids,
                                       max_query_len=metadata.max_prefill_query_len, **common)
         if metadata.max_decode_seq_len:
-            max_context = min(metadata.max_decode_seq_len, self.sliding_window or metadata.max_decode_seq_len)
+            # a decode sees at most its window's and its chunk's keys: that many set the partitions
+            max_context = min(metadata.max_decode_seq_len, self.sliding_window or metadata.max_decode_seq_len,
+                              self.attention_chunk_size or metadata.max_decode_seq_len)
             partition_size = kernels.decode_partition_size(
                 metadata.decode_req_ids.shape[0], key_cache.shape[2], max_context, metadata.target_decode_programs)
             kernels.decode_attention(out, q, req_ids=metadata.decode_req_ids, max_context=max_context,
@@ -162,6 +167,7 @@ class TritonBackend(AttentionBackend):
     # On the CPU it only runs interpreted (tests); it must never win over TORCH there.
     priority = {"cuda": 10, "cpu": 1}
     kinds = frozenset({"mha", "mla"})
+    supports_attention_chunks = True  # the kernels bound each query's keys by its chunk start too
 
     @classmethod
     def check(cls, spec: AttentionSpec) -> list[str]:

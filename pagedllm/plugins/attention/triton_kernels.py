@@ -34,6 +34,7 @@ import triton.language as tl
 
 LOG2E = tl.constexpr(1.4426950408889634)  # a constexpr: jitted code may read only those globals
 NO_WINDOW = 1 << 30  # a window no context reaches: one code path with or without sliding window
+NO_CHUNK = 1 << 30  # likewise for chunked local attention: every position falls in chunk 0
 
 # fp8 format facts for the interpreter's rounding workaround: mantissa bits, smallest normal, largest finite.
 _FP8_FORMATS = {
@@ -108,9 +109,17 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _first_visible(pos, window, chunk):
+    """The first key position a query at `pos` sees: the later of its sliding window's start
+    (pos - window + 1) and its attention chunk's start (floor(pos / chunk) * chunk, Llama 4's
+    local layers). Both grow with `pos`, so a tile's first query bounds the whole tile."""
+    return tl.maximum(tl.maximum(pos - window + 1, (pos // chunk) * chunk), 0)
+
+
+@triton.jit
 def _attend_range(
     acc, m_i, l_i, q, q_tail, q_pos, key_cache_ptr, value_cache_ptr, block_table_ptr, kv_head,
-    kv_begin, kv_end, sm_scale, k_scale, v_scale, soft_cap, window,
+    kv_begin, kv_end, sm_scale, k_scale, v_scale, soft_cap, q_lo,
     stride_cache_block, stride_cache_row, stride_cache_head,
     BLOCK_SIZE: tl.constexpr, V_SIZE: tl.constexpr, V_PAD: tl.constexpr, TAIL: tl.constexpr,
     TAIL_PAD: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, USE_SOFT_CAP: tl.constexpr,
@@ -119,8 +128,9 @@ def _attend_range(
     """Fold keys [kv_begin, kv_end) of one request into the online-softmax state (acc, m_i, l_i).
 
     `q` holds the rows' first V_SIZE key elements, `q_tail` the TAIL after them (unused
-    when TAIL is 0). `q_pos` holds each row's absolute position; with CAUSAL, row i sees
-    keys in (q_pos - window, q_pos]. Without it the caller has already clipped the range.
+    when TAIL is 0). `q_pos` holds each row's absolute position and `q_lo` its first
+    visible key (see `_first_visible`); with CAUSAL, row i sees keys in [q_lo, q_pos].
+    Without it the caller has already clipped the range (q_pos and q_lo are unused).
     """
     dims = tl.arange(0, V_PAD)
     dim_mask = dims < V_SIZE
@@ -143,7 +153,7 @@ def _attend_range(
         s = s * LOG2E
         visible = kmask[None, :]
         if CAUSAL:
-            visible = visible & (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] > q_pos[:, None] - window)
+            visible = visible & (kpos[None, :] <= q_pos[:, None]) & (kpos[None, :] >= q_lo[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing visible yet stay at 0
@@ -200,7 +210,7 @@ def _write_kv_kernel(
 @triton.jit
 def _prefill_kernel(
     out_ptr, q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    req_ids_ptr, sm_scale, k_scale, v_scale, soft_cap, window,
+    req_ids_ptr, sm_scale, k_scale, v_scale, soft_cap, window, chunk,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_row, stride_cache_head, stride_bt_req,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, V_SIZE: tl.constexpr, V_PAD: tl.constexpr,
@@ -231,12 +241,13 @@ def _prefill_kernel(
         q_tail = tl.load(q_row_ptr + tail[None, :], mask=row_mask[:, None] & (tail < V_SIZE + TAIL)[None, :],
                          other=0.0)
     q_pos = ctx_len + tok
+    q_lo = _first_visible(q_pos, window, chunk)
 
-    # Keys this tile can see: up to its last query's position, from its first query's window start.
+    # Keys this tile can see: up to its last query's position, from its first query's first visible key.
     first_tok = first_row // GROUP
     last_tok = tl.minimum((first_row + BLOCK_M - 1) // GROUP, q_len - 1)
     kv_end = tl.where(first_tok < q_len, ctx_len + last_tok + 1, 0)
-    kv_begin = tl.maximum(ctx_len + first_tok - window + 1, 0)
+    kv_begin = _first_visible(ctx_len + first_tok, window, chunk)
 
     acc = tl.zeros([BLOCK_M, V_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
@@ -244,7 +255,7 @@ def _prefill_kernel(
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, q_tail, q_pos, key_cache_ptr, value_cache_ptr,
         block_tables_ptr + req.to(tl.int64) * stride_bt_req, kv_head, kv_begin, kv_end,
-        sm_scale, k_scale, v_scale, soft_cap, window,
+        sm_scale, k_scale, v_scale, soft_cap, q_lo,
         stride_cache_block, stride_cache_row, stride_cache_head,
         BLOCK_SIZE, V_SIZE, V_PAD, TAIL, TAIL_PAD, BLOCK_N, True, USE_SOFT_CAP, IS_FP8, IEEE_DOT, VALUE_IS_KEY,
     )
@@ -257,7 +268,7 @@ def _prefill_kernel(
 def _decode_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     q_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr, req_ids_ptr,
-    sm_scale, k_scale, v_scale, soft_cap, window,
+    sm_scale, k_scale, v_scale, soft_cap, window, chunk,
     stride_q_tok, stride_q_head, stride_o_tok, stride_o_head,
     stride_cache_block, stride_cache_row, stride_cache_head, stride_bt_req, stride_part_req, stride_part_head,
     GROUP: tl.constexpr, GROUP_ROWS: tl.constexpr, HEAD_BLOCKS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -273,8 +284,9 @@ def _decode_kernel(
 
     Each program folds one PARTITION_SIZE slice of the visible context into a partial
     (unnormalised acc, max, sum) that `_decode_reduce_kernel` merges; with a single
-    partition it writes the output directly. Partitions past a request's context stay
-    empty (max = -inf, sum = 0) and weigh nothing in the merge.
+    partition it writes the output directly. Partitions start at the query's first
+    visible key (window and chunk start), so none lies wholly before it; those past the
+    request's context stay empty (max = -inf, sum = 0) and weigh nothing in the merge.
     """
     i = tl.program_id(0)
     kv_head = tl.program_id(1) // HEAD_BLOCKS
@@ -283,7 +295,7 @@ def _decode_kernel(
     req = tl.load(req_ids_ptr + i)
     tok = tl.load(query_start_loc_ptr + req).to(tl.int64)
     seq_len = tl.load(seq_lens_ptr + req)
-    p_begin = tl.maximum(seq_len - window, 0) + part * PARTITION_SIZE
+    p_begin = _first_visible(seq_len - 1, window, chunk) + part * PARTITION_SIZE
     p_end = tl.minimum(p_begin + PARTITION_SIZE, seq_len)
 
     g = head_block * GROUP_ROWS + tl.arange(0, GROUP_ROWS)
@@ -304,7 +316,7 @@ def _decode_kernel(
     acc, m_i, l_i = _attend_range(
         acc, m_i, l_i, q, q_tail, g, key_cache_ptr, value_cache_ptr,
         block_tables_ptr + req.to(tl.int64) * stride_bt_req, kv_head, p_begin, p_end,
-        sm_scale, k_scale, v_scale, soft_cap, window,
+        sm_scale, k_scale, v_scale, soft_cap, g,
         stride_cache_block, stride_cache_row, stride_cache_head,
         BLOCK_SIZE, V_SIZE, V_PAD, TAIL, TAIL_PAD, BLOCK_N, False, USE_SOFT_CAP, IS_FP8, IEEE_DOT, VALUE_IS_KEY,
     )
@@ -391,9 +403,9 @@ def write_kv(key_cache: torch.Tensor, value_cache: torch.Tensor | None, key: tor
 
 
 def _common(q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, window: int | None,
-            soft_cap: float | None, value_is_key: bool) -> tuple[dict, tuple[float, int]]:
-    """Constexprs shared by prefill and decode, and the runtime (soft_cap, window) with "off"
-    values. The value size is out's head size; the key's tail is what q has beyond it."""
+            soft_cap: float | None, value_is_key: bool, chunk: int | None) -> tuple[dict, tuple[float, int, int]]:
+    """Constexprs shared by prefill and decode, and the runtime (soft_cap, window, chunk) with
+    "off" values. The value size is out's head size; the key's tail is what q has beyond it."""
     value_size, tail = out.shape[-1], q.shape[-1] - out.shape[-1]
     if tail < 0:
         raise ValueError(f"the value size {value_size} exceeds the key size {q.shape[-1]}")
@@ -402,7 +414,7 @@ def _common(q: torch.Tensor, out: torch.Tensor, key_cache: torch.Tensor, window:
         BLOCK_SIZE=key_cache.shape[1], USE_SOFT_CAP=bool(soft_cap), IS_FP8=key_cache.dtype in FP8_DTYPES,
         IEEE_DOT=q.dtype == torch.float32 or (q.dtype == torch.bfloat16 and q.device.type == "cpu"),
         VALUE_IS_KEY=value_is_key,
-    ), (float(soft_cap or 1.0), int(window or NO_WINDOW))
+    ), (float(soft_cap or 1.0), int(window or NO_WINDOW), int(chunk or NO_CHUNK))
 
 
 def _key_pad(consts: dict) -> int:
@@ -431,22 +443,24 @@ def prefill_attention(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, req_ids: torch.Tensor,
     max_query_len: int, scale: float, k_scale: float, v_scale: float,
     window: int | None = None, soft_cap: float | None = None, value_is_key: bool = False,
+    attention_chunk_size: int | None = None,
 ) -> None:
     """Causal attention for the requests `req_ids` (int32, on device) over their paged context.
     out: [tokens, heads, value size]; q: [tokens, heads, key size]; `value_is_key`: values are
-    the keys' first value-size elements (MLA; `value_cache` is then not read)."""
+    the keys' first value-size elements (MLA; `value_cache` is then not read). A query at
+    position p sees keys from max(p - window + 1, floor(p / C) * C) to p, C the chunk size."""
     num_reqs = req_ids.shape[0]
     if num_reqs == 0:
         return
     q = _heads_contiguous(q)
     num_kv_heads = key_cache.shape[2]
     group = q.shape[1] // num_kv_heads
-    consts, (cap, win) = _common(q, out, key_cache, window, soft_cap, value_is_key)
+    consts, (cap, win, chunk) = _common(q, out, key_cache, window, soft_cap, value_is_key, attention_chunk_size)
     block_m, block_n, num_warps = prefill_tiles(_key_pad(consts))
     grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len * group, block_m))
     _prefill_kernel[grid](
         out, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens, req_ids,
-        float(scale), float(k_scale), float(v_scale), cap, win,
+        float(scale), float(k_scale), float(v_scale), cap, win, chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(key_cache), block_tables.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=2, **consts,
     )
@@ -467,17 +481,18 @@ def decode_attention(
     block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, req_ids: torch.Tensor,
     max_context: int, partition_size: int, scale: float, k_scale: float, v_scale: float,
     window: int | None = None, soft_cap: float | None = None, value_is_key: bool = False,
+    attention_chunk_size: int | None = None,
 ) -> None:
     """One query token per request in `req_ids`; `max_context` bounds the visible keys
-    (min(seq_len, window)) over those requests, which sets the number of partitions.
-    Shapes and `value_is_key` as in `prefill_attention`."""
+    (min(seq_len, window, attention_chunk_size)) over those requests, which sets the number
+    of partitions. Shapes, `value_is_key` and the visible keys as in `prefill_attention`."""
     num_reqs = req_ids.shape[0]
     if num_reqs == 0:
         return
     q = _heads_contiguous(q)
     num_heads, num_kv_heads = q.shape[1], key_cache.shape[2]
     group = num_heads // num_kv_heads
-    consts, (cap, win) = _common(q, out, key_cache, window, soft_cap, value_is_key)
+    consts, (cap, win, chunk) = _common(q, out, key_cache, window, soft_cap, value_is_key, attention_chunk_size)
     rows, head_blocks, block_n = decode_tiles(group, _key_pad(consts))
     num_parts = triton.cdiv(max_context, partition_size)
     single = num_parts == 1
@@ -491,7 +506,7 @@ def decode_attention(
     stride_req, stride_head = num_heads * num_parts, num_parts
     _decode_kernel[(num_reqs, num_kv_heads * head_blocks, num_parts)](
         out, part_acc, part_max, part_sum, q, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
-        req_ids, float(scale), float(k_scale), float(v_scale), cap, win,
+        req_ids, float(scale), float(k_scale), float(v_scale), cap, win, chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1), *_cache_strides(key_cache), block_tables.stride(0),
         stride_req, stride_head,
         GROUP=group, GROUP_ROWS=rows, HEAD_BLOCKS=head_blocks, BLOCK_N=block_n, PARTITION_SIZE=partition_size,

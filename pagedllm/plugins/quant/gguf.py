@@ -10,6 +10,8 @@ blocks for the native CPU kernels; `--gguf-keep-quantized`: the blocks only).
 
 llama.cpp's converter permutes the rows of Llama's q/k projections (it pairs rotary
 halves for its interleaved RoPE); we undo that so the weights match Hugging Face's.
+An architecture can also pick its HF class from the file and rewrite the tensor stream
+(`_Arch.select` / `.tensors`: deepseek2, gguf_deepseek.py).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from pagedllm.core.contracts import CheckpointFormat
+from pagedllm.plugins.quant import gguf_deepseek
 from pagedllm.plugins.quant.gguf_dequant import dequantize_numpy
 from pagedllm.plugins.quant.gguf_file import FLOAT_TYPES, GGUFError, GGUFFile, is_gguf
 from pagedllm.plugins.quant.gguf_linear import tag_raw
@@ -36,6 +39,11 @@ class _Arch:
     layer_names: dict[str, str] = field(default_factory=dict)  # this arch's GGUF -> HF layer names over _LAYER_NAMES
     norm_shift: float = 0.0  # llama.cpp stored norm weights + this (Gemma's (1 + w) norms: 1)
     extra_config: Callable[["GGUFFormat"], dict[str, Any]] | None = None  # arch-specific config fields
+    # (HF architecture, config class) chosen from the file, where one GGUF arch covers several
+    select: Callable[["GGUFFormat"], tuple[str, str]] | None = None
+    # a pass over the (HF name, tensor) stream: renames, tensors the converter split
+    tensors: Callable[["GGUFFormat", Iterator[tuple[str, torch.Tensor]]],
+                      Iterator[tuple[str, torch.Tensor]]] | None = None
 
 
 # llama.cpp's rules where a Gemma GGUF is silent: every n-th layer global, soft-caps (Gemma 2
@@ -126,6 +134,10 @@ ARCHITECTURES = {
                       extra_config=_qwen_moe_config),
     "qwen3moe": _Arch("Qwen3MoeForCausalLM", "Qwen3MoeConfig", permute_qk=False, layer_names=_MOE_NAMES,
                       extra_config=_qwen_moe_config),
+    # DeepSeek-V2 / V2-Lite / V3 / R1 (gguf_deepseek.py); llama.cpp does not permute their q/k
+    "deepseek2": _Arch("DeepseekV3ForCausalLM", "DeepseekV3Config", permute_qk=False,
+                       layer_names=gguf_deepseek.LAYER_NAMES, extra_config=gguf_deepseek.config,
+                       select=gguf_deepseek.select, tensors=gguf_deepseek.tensors),
 }
 
 _GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -136,7 +148,7 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
 }
 _EMBEDDINGS = ("model.embed_tokens.weight", "lm_head.weight")
-_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", *gguf_deepseek.LINEARS)
 _LAYER_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
 
 
@@ -200,12 +212,14 @@ class GGUFFormat(CheckpointFormat):
         import transformers
 
         spec, f = ARCHITECTURES[self.arch], self.file
+        hf_architecture, config_class = spec.select(self) if spec.select else (spec.hf_architecture,
+                                                                              spec.config_class)
         num_heads = self._require("attention.head_count")
         hidden = self._require("embedding_length")
         vocab = self._meta("vocab_size") or len(f.get("tokenizer.ggml.tokens") or []) or \
             f.tensors["token_embd.weight"].shape[0]
         kwargs: dict[str, Any] = dict(
-            architectures=[spec.hf_architecture], vocab_size=int(vocab), hidden_size=hidden,
+            architectures=[hf_architecture], vocab_size=int(vocab), hidden_size=hidden,
             intermediate_size=self._require("feed_forward_length"),
             num_hidden_layers=self._require("block_count"),
             num_attention_heads=num_heads,
@@ -220,7 +234,9 @@ class GGUFFormat(CheckpointFormat):
             pad_token_id=f.get("tokenizer.ggml.padding_token_id"),
             dtype="float32",
         )
-        scaling = self._meta("rope.scaling.type")
+        extra = spec.extra_config(self) if spec.extra_config is not None else {}
+        # an arch whose extra config holds rope_scaling read its scaling keys itself
+        scaling = None if "rope_scaling" in extra else self._meta("rope.scaling.type")
         if scaling == "linear":
             kwargs["rope_scaling"] = {"rope_type": "linear", "factor": float(self._meta("rope.scaling.factor"))}
         elif scaling not in (None, "none"):
@@ -229,9 +245,8 @@ class GGUFFormat(CheckpointFormat):
         if "rope_freqs.weight" in f.tensors:
             raise NotImplementedError(f"{self.path}: GGUF rope_freqs (Llama 3.1-style rope scaling) "
                                       "is not supported yet")
-        if spec.extra_config is not None:
-            kwargs.update(spec.extra_config(self))
-        return getattr(transformers, spec.config_class)(**kwargs)
+        kwargs.update(extra)
+        return getattr(transformers, config_class)(**kwargs)
 
     def tokenizer(self) -> Any:
         from pagedllm.plugins.quant.gguf_tokenizer import build_tokenizer
@@ -257,6 +272,11 @@ class GGUFFormat(CheckpointFormat):
         fresh copies."""
         self.hf_config()  # fail on an unsupported file before streaming anything
         spec = ARCHITECTURES[self.arch]
+        stream = self._mapped_tensors(spec)
+        return spec.tensors(self, stream) if spec.tensors is not None else stream
+
+    def _mapped_tensors(self, spec: _Arch) -> Iterator[tuple[str, torch.Tensor]]:
+        """The file's tensors one to one under their HF names (before the arch's `tensors` pass)."""
         for gguf_name, info in self.file.tensors.items():
             name = hf_name(gguf_name, self.path, spec.layer_names)
             heads = self._permute_heads(name)

@@ -50,7 +50,7 @@ def compile_variant(target: GPUTarget, kernel, types: dict[str, str], constexprs
 
 def attention_types(act: str, cache: str) -> dict[str, str]:
     types = dict(out_ptr=f"*{act}", q_ptr=f"*{act}", key_cache_ptr=f"*{cache}", value_cache_ptr=f"*{cache}",
-                 part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", window="i32")
+                 part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", window="i32", chunk="i32")
     types.update({name: "*i32" for name in ATTENTION_POINTERS})
     types.update({name: "fp32" for name in FLOATS})
     return types

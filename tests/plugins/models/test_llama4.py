@@ -1,7 +1,8 @@
 """Llama 4 text (Llama4ForCausalLM) against transformers on tiny random models: greedy tokens
 and logprobs through plain, chunked-prefill, prefix-caching and preemption runs on TORCH
-(the one backend with chunked local attention); CPU_ATTN refused for chunked models (and
-auto-selection on the CPU then picks TORCH), and run on a variant without chunks.
+(a backend with chunked local attention) and briefly on TRITON (the other, interpreted);
+CPU_ATTN refused for chunked models (and auto-selection on the CPU then picks TORCH), and
+run on a variant without chunks.
 
 The default model: 4 layers, MoE on layers 1 and 3 (interleave_moe_layer_step 2) with 4
 experts top-1 and a shared expert, dense layers 0 and 2 of intermediate_size_mlp; layers
@@ -164,9 +165,23 @@ def test_preemption_parity(model_dir):
     assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
+def test_triton_interpreted_parity(model_dir):
+    """TRITON's chunked kernels in the engine (interpreted: 2 prompts, 8 tokens): prefill in
+    16-token steps across chunk edges after cached context, decodes crossing an edge."""
+    from pagedllm import SamplingParams
+
+    path = model_dir("llama4")
+    prompts, num_tokens = make_prompts(seed=3, lens=[30, 7]), 8
+    llm = new_llm(path, attention_backend="TRITON", max_num_batched_tokens=16)
+    assert llm.engine.worker.backend.name == "TRITON"
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, logprobs=5)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    assert_parity(outputs, hf_greedy(path, prompts, num_tokens))
+
+
 def test_cpu_attn_is_refused_for_chunked_attention(model_dir):
     with pytest.raises(ValueError, match=r"CPU_ATTN cannot run here: it does not support chunked local attention"
-                                         r".*backends that do: TORCH\)"):
+                                         r".*backends that do: TORCH, TRITON\)"):
         new_llm(model_dir("llama4"), attention_backend="CPU_ATTN")
 
 

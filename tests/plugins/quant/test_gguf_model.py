@@ -333,7 +333,7 @@ def test_unsupported_tensor_type_is_named(tiny_model_dir, tmp_path) -> None:
 def test_unsupported_architecture_lists_supported(tiny_model_dir, tmp_path) -> None:
     hf_dir = tiny_model_dir("llama")
     path = write_gguf(hf_dir, tmp_path / "gpt2.gguf", "llama", arch_name="gpt2")
-    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: .*gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe"):
+    with pytest.raises(ValueError, match=r"architecture 'gpt2' is not supported; supported: .*deepseek2, gemma2, gemma3, llama, qwen2, qwen2moe, qwen3, qwen3moe"):
         _tiny_llm(path, hf_dir)
 
 
