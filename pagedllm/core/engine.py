@@ -71,8 +71,11 @@ class LLMEngine:
                             tokenizer=config.model.tokenizer, hf_overrides=config.model.hf_config_overrides())
         self.tokenizer = source.tokenizer
         self.hf_config = source.hf_config
+        # token facts (length, vocabulary, eos) are the language model's: a composite
+        # (vision-language) config keeps them under its text part
+        text_config = source.text_config
         # the config's length, stretched by its rope scaling (as vLLM derives it)
-        model_max, derived = derived_max_model_len(source.hf_config)
+        model_max, derived = derived_max_model_len(text_config)
         self.max_model_len = config.model.max_model_len or model_max
         if self.max_model_len > model_max:
             raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's {derived}; lower "
@@ -92,9 +95,11 @@ class LLMEngine:
         self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
         if self.eos_token_id is None:
             self.eos_token_id = getattr(self.hf_config, "eos_token_id", None)
+        if self.eos_token_id is None:
+            self.eos_token_id = getattr(text_config, "eos_token_id", None)
         if isinstance(self.eos_token_id, list):
             self.eos_token_id = self.eos_token_id[0]
-        self.vocab_size = source.hf_config.vocab_size
+        self.vocab_size = text_config.vocab_size
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()

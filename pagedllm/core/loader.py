@@ -36,6 +36,13 @@ class ModelSource:
     quantization: str | None
     quantization_config: dict[str, Any]
     format_name: str
+    # the language model's config: `hf_config` itself, or the text part of a composite
+    # (vision-language) config, whose top level lacks vocab_size, max_position_embeddings, ...
+    text_config: Any = None
+
+    def __post_init__(self) -> None:
+        if self.text_config is None:
+            self.text_config = language_model_config(self.hf_config)
 
 
 class HFDirectory(CheckpointFormat):
@@ -105,6 +112,19 @@ def open_model(path: str, load_format: str, registry: PluginRegistry, options: d
     tok = _tokenizer(fmt, tokenizer)
     return ModelSource(path=path, hf_config=hf_config, tokenizer=tok, weights=fmt.weights,
                        quantization=quant, quantization_config=quant_config, format_name=fmt.name)
+
+
+def language_model_config(hf_config: Any) -> Any:
+    """The config of the model that reads and writes the tokens.
+
+    A composite checkpoint (Gemma 3, Llama 4: `...ForConditionalGeneration`) nests its
+    language model's config under `text_config` beside a vision config, and its top level
+    states no vocab_size or context length; transformers' `get_text_config(decoder=True)`
+    finds that part (and returns any other config itself). The engine reads the token facts
+    from here, while the model class and quantizer get the whole config (architectures,
+    quantization_config, tie_word_embeddings live at the top)."""
+    get_text_config = getattr(hf_config, "get_text_config", None)
+    return get_text_config(decoder=True) if callable(get_text_config) else hf_config
 
 
 def _tokenizer(fmt: CheckpointFormat, tokenizer: str | None) -> Any:

@@ -237,12 +237,12 @@ class Worker:
         logger.info("loaded draft %s from %s in %.1fs", type(model).__name__, path, time.perf_counter() - start)
         runner = None if self.config.device.enforce_eager else self._graph_runner(self.registry, model)
         run = runner if runner is not None else (lambda layout, attn: model(layout.input_ids, layout.positions, attn))
-        return DraftModel(model=model, hf_config=source.hf_config, tokenizer=source.tokenizer,
+        return DraftModel(model=model, hf_config=source.text_config, tokenizer=source.tokenizer,
                           kv_spec=kv_spec, build_metadata=build_metadata, run=run)
 
     def _proposer(self, spec: SpecDecodeConfig, source: ModelSource) -> SpecProposer:
         cls = self.registry.spec_method(spec.method)
-        context = ProposerContext(config=spec, target=self.model, hf_config=source.hf_config,
+        context = ProposerContext(config=spec, target=self.model, hf_config=source.text_config,
                                   tokenizer=source.tokenizer, device=self.device, dtype=self.dtype,
                                   max_model_len=self.max_model_len, block_size=self.block_size,
                                   load_model=self.load_draft_model, make_layout=self._layout,

@@ -56,7 +56,7 @@ class DraftModel:
     backend), for a proposer that runs one: what `ProposerContext.load_model` returns."""
 
     model: CausalLM
-    hf_config: Any
+    hf_config: Any  # its language model's config (loader.language_model_config)
     tokenizer: Any
     kv_spec: KVCacheSpec
     # the attention metadata of a flattened batch for this model's layers
@@ -72,7 +72,7 @@ class ProposerContext:
 
     config: SpecDecodeConfig
     target: CausalLM
-    hf_config: Any  # the target's
+    hf_config: Any  # the target's language model's config (loader.language_model_config)
     tokenizer: Any  # the target's
     device: torch.device
     dtype: torch.dtype

@@ -21,6 +21,9 @@ _ARCHITECTURES = {
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
     "Llama4ForCausalLM": ("llama4", "Llama4ForCausalLM"),
+    # vision-language checkpoints, served as their text model
+    "Gemma3ForConditionalGeneration": ("multimodal_text", "Gemma3ForConditionalGeneration"),
+    "Llama4ForConditionalGeneration": ("multimodal_text", "Llama4ForConditionalGeneration"),
 }
 
 

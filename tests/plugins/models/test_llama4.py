@@ -18,7 +18,7 @@ import shutil
 import pytest
 import torch
 
-from tests.conftest import save_tokenizer
+from tests._models import cached_builds, reference, save_hf_model
 from tests.test_llm import (
     NUM_TOKENS,
     PROMPT_LENS,
@@ -49,33 +49,12 @@ CHUNKED_MODELS = ["llama4", "llama4-top2"]
 
 
 def build(path, name: str, seed: int = 0):
-    from transformers import Llama4ForCausalLM, Llama4TextConfig
-
-    torch.manual_seed(seed)
-    model = Llama4ForCausalLM(Llama4TextConfig(**{**TINY, **MODELS[name]})).eval()
-    model.save_pretrained(path)
-    save_tokenizer(path)
-    return path
-
-
-_DIRS: dict = {}
-_REFS: dict = {}
+    return save_hf_model(path, "Llama4ForCausalLM", "Llama4TextConfig", {**TINY, **MODELS[name]}, seed)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    def make(name: str):
-        if name not in _DIRS:
-            _DIRS[name] = build(tmp_path_factory.mktemp(name), name)
-        return _DIRS[name]
-    return make
-
-
-def reference(path, prompts):
-    key = (str(path), tuple(map(tuple, prompts)))
-    if key not in _REFS:
-        _REFS[key] = hf_greedy(path, prompts)
-    return _REFS[key]
+    return cached_builds(tmp_path_factory, build)
 
 
 def with_config(src, dst, **changes):

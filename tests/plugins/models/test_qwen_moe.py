@@ -7,12 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import save_tokenizer
+from tests._models import cached_builds, reference, save_hf_model
 from tests.test_llm import (
     NUM_TOKENS,
     PROMPT_LENS,
     assert_parity,
-    hf_greedy,
     make_prompts,
     new_llm,
     run_engine,
@@ -41,34 +40,13 @@ MODELS = {
 
 
 def build(path, name: str, seed: int = 0):
-    import transformers
-
     cls, cfg_cls, extra = MODELS[name]
-    torch.manual_seed(seed)
-    model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**{**TINY, **extra})).eval()
-    model.save_pretrained(path)
-    save_tokenizer(path)
-    return path
-
-
-_DIRS: dict = {}
-_REFS: dict = {}
+    return save_hf_model(path, cls, cfg_cls, {**TINY, **extra}, seed)
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    def make(name: str):
-        if name not in _DIRS:
-            _DIRS[name] = build(tmp_path_factory.mktemp(name), name)
-        return _DIRS[name]
-    return make
-
-
-def reference(path, prompts):
-    key = (str(path), tuple(map(tuple, prompts)))
-    if key not in _REFS:
-        _REFS[key] = hf_greedy(path, prompts)
-    return _REFS[key]
+    return cached_builds(tmp_path_factory, build)
 
 
 def test_checkpoints_are_per_expert_and_models_not_degenerate(model_dir):

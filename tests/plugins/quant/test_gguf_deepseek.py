@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +27,8 @@ gguf = pytest.importorskip("gguf")
 from pagedllm.plugins.quant.gguf import GGUFFormat  # noqa: E402
 from pagedllm.plugins.quant.gguf_deepseek import join_kv_b  # noqa: E402
 from tests.plugins.models.test_deepseek import BASE, MODELS as DEEPSEEK_MODELS, build_deepseek  # noqa: E402
-from tests.test_llm import NUM_TOKENS, PROMPT_LENS, assert_parity, hf_greedy, make_prompts, new_llm, run_engine  # noqa: E402,E501
+from tests._models import dequantized_reference, reference as shared_reference  # noqa: E402
+from tests.test_llm import NUM_TOKENS, PROMPT_LENS, assert_parity, make_prompts, new_llm, run_engine  # noqa: E402,E501
 
 T = gguf.GGMLQuantizationType
 MODELS = {
@@ -192,13 +192,11 @@ def write_deepseek_gguf(hf_dir: Path, path: Path, quant: str = "f32", layout: st
 
 
 _CASES: dict = {}
-_REFS: dict = {}
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     """case(model, quant, layout) -> (gguf path, HF dir holding the file's (dequantized) weights)."""
-    from safetensors.torch import save_file
 
     def make(name: str, quant: str = "f32", layout: str = "mla"):
         key = (name, quant, layout)
@@ -209,12 +207,8 @@ def case(tmp_path_factory):
             hf_dir = _CASES[name, "hf"]
             root = tmp_path_factory.mktemp(f"ds-{name}-{quant}-{layout}")
             weights = write_deepseek_gguf(hf_dir, root / "model.gguf", quant, layout)
-            ref = hf_dir
-            if quant != "f32":  # transformers runs what the file dequantizes to
-                ref = root / "ref"
-                shutil.copytree(hf_dir, ref)
-                save_file({k: v.contiguous() for k, v in weights.items()}, str(ref / "model.safetensors"),
-                          metadata={"format": "pt"})
+            # transformers runs what the file dequantizes to
+            ref = hf_dir if quant == "f32" else dequantized_reference(hf_dir, root, weights)
             _CASES[key] = (root / "model.gguf", ref)
         return _CASES[key]
 
@@ -222,12 +216,7 @@ def case(tmp_path_factory):
 
 
 def reference(path, prompts):
-    """transformers' greedy tokens and logprob rows, cached per (model dir, prompts)."""
-    key = (str(path), tuple(map(tuple, prompts)))
-    if key not in _REFS:
-        _REFS[key] = hf_greedy(path, prompts)
-        assert all(len(set(tokens)) > 4 for tokens, _ in _REFS[key]), "degenerate random model"
-    return _REFS[key]
+    return shared_reference(path, prompts, varied=True)
 
 
 def gguf_llm(path: Path, ref: Path, **kwargs):

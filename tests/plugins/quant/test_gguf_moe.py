@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,12 +24,11 @@ gguf = pytest.importorskip("gguf")
 
 from pagedllm.plugins.models.qwen_moe import is_sparse_layer, num_experts  # noqa: E402
 from pagedllm.plugins.quant.gguf import GGUFFormat  # noqa: E402
-from tests.conftest import save_tokenizer  # noqa: E402
+from tests._models import dequantized_reference, reference, save_hf_model  # noqa: E402
 from tests.test_llm import (  # noqa: E402
     NUM_TOKENS,
     PROMPT_LENS,
     assert_parity,
-    hf_greedy,
     make_prompts,
     new_llm,
     run_engine,
@@ -155,24 +153,16 @@ def write_moe_gguf(hf_dir: Path, path: Path, arch: str, quant: str, sizes_in_met
 
 
 def _build_hf(path: Path, name: str) -> Path:
-    import transformers
-
     _, cls, cfg_cls, extra = MODELS[name]
-    torch.manual_seed(0)
-    model = getattr(transformers, cls)(getattr(transformers, cfg_cls)(**{**TINY, **extra})).eval()
-    model.save_pretrained(path)
-    save_tokenizer(path)
-    return path
+    return save_hf_model(path, cls, cfg_cls, {**TINY, **extra})
 
 
 _CASES: dict = {}
-_REFS: dict = {}
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory):
     """case(model, quant) -> (gguf path, HF dir with the file's (dequantized) weights)."""
-    from safetensors.torch import save_file
 
     def make(name: str, quant: str = "f32"):
         key = (name, quant)
@@ -182,23 +172,15 @@ def case(tmp_path_factory):
             hf_dir = _CASES[name, "hf"]
             root = tmp_path_factory.mktemp(f"{name}-{quant}")
             weights = write_moe_gguf(hf_dir, root / "model.gguf", MODELS[name][0], quant)
-            ref = hf_dir
-            if quant != "f32":  # transformers runs what the file dequantizes to
-                ref = root / "ref"
-                shutil.copytree(hf_dir, ref)
-                save_file({k: v.contiguous() for k, v in weights.items()}, str(ref / "model.safetensors"),
-                          metadata={"format": "pt"})
+            # transformers runs what the file dequantizes to
+            ref = hf_dir if quant == "f32" else dequantized_reference(hf_dir, root, weights)
             _CASES[key] = (root / "model.gguf", ref)
         return _CASES[key]
 
     return make
 
 
-def reference(path, prompts):
-    key = (str(path), tuple(map(tuple, prompts)))
-    if key not in _REFS:
-        _REFS[key] = hf_greedy(path, prompts)
-    return _REFS[key]
+
 
 
 def gguf_llm(path: Path, ref: Path, **kwargs):
