@@ -137,12 +137,15 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention then MLP, each with a residual (the sums fused into the norms)."""
 
+    # the MLP's attribute (and checkpoint) name: Llama 4 calls it "feed_forward"
+    mlp_name = "mlp"
+
     def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, attention_cls: type[nn.Module],
                  mlp_cls: type[nn.Module]) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.self_attn = attention_cls(ctx, layer_idx, f"{prefix}.self_attn")
-        self.mlp = mlp_cls(ctx, layer_idx, f"{prefix}.mlp")
+        setattr(self, self.mlp_name, mlp_cls(ctx, layer_idx, f"{prefix}.{self.mlp_name}"))
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
 
@@ -154,7 +157,7 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(rope, x, attn)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return getattr(self, self.mlp_name)(x), residual
 
 
 class LlamaModel(nn.Module):

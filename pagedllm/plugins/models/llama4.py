@@ -32,8 +32,9 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.core.contracts import AttentionContext, KVCacheSpec, ModelContext
-from pagedllm.plugins.models.layers import Attention, Linear, RMSNorm
+from pagedllm.plugins.models.layers import Attention, Linear
 from pagedllm.plugins.models.llama import (
+    LlamaDecoderLayer,
     LlamaForCausalLM,
     LlamaMLP,
     LlamaModel,
@@ -190,28 +191,11 @@ class Llama4MoE(nn.Module):
 
 # ---------------------------------------------------------------- layers and model
 
-class Llama4DecoderLayer(nn.Module):
-    """Llama's pre-norm layer (the residual sums fused into the norms), its feed-forward
-    named `feed_forward` as in the checkpoint, so quantizers' prefixes match it."""
+class Llama4DecoderLayer(LlamaDecoderLayer):
+    """Llama's layer with its feed-forward named `feed_forward` as in the checkpoint, so
+    quantizers' prefixes match it."""
 
-    def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str, attention_cls: type[nn.Module],
-                 mlp_cls: type[nn.Module]) -> None:
-        super().__init__()
-        cfg = ctx.hf_config
-        self.self_attn = attention_cls(ctx, layer_idx, f"{prefix}.self_attn")
-        self.feed_forward = mlp_cls(ctx, layer_idx, f"{prefix}.feed_forward")
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
-
-    def forward(self, rope, x, residual, attn):
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(rope, x, attn)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.feed_forward(x), residual
+    mlp_name = "feed_forward"
 
 
 class Llama4PositionTables(nn.Module):
