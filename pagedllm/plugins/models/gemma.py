@@ -27,6 +27,7 @@ from pagedllm import ops
 from pagedllm.core.contracts import AttentionContext, KVCacheSpec, ModelContext
 from pagedllm.core.loader import derived_max_model_len
 from pagedllm.plugins.models.layers import (
+    attention_projections,
     Attention,
     Linear,
     RMSNorm,
@@ -104,10 +105,8 @@ class GemmaAttention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=bias,
-                               quant_config=ctx.quant_config, prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias, quant_config=ctx.quant_config,
-                             prefix=f"{prefix}.o_proj", params_dtype=ctx.dtype)
+        self.qkv_proj, self.o_proj = attention_projections(ctx, self.num_heads, self.num_kv_heads, self.head_dim,
+                                                           prefix, bias, bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0, dtype=ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0, dtype=ctx.dtype)

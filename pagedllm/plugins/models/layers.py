@@ -117,6 +117,19 @@ class Linear(nn.Module):
         return self.method.apply(self, x, self.bias)
 
 
+def attention_projections(ctx: ModelContext, num_heads: int, num_kv_heads: int, head_dim: int, prefix: str,
+                          qkv_bias: bool = False, out_bias: bool = False) -> tuple["Linear", "Linear"]:
+    """One attention layer's fused q/k/v projection (hidden -> (H + 2 KVH) x D, shards q, k, v)
+    and its output projection (H x D -> hidden), through the context's quantizer."""
+    hidden = ctx.hf_config.hidden_size
+    q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    qkv = Linear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias, quant_config=ctx.quant_config,
+                 prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype)
+    out = Linear(q_size, hidden, bias=out_bias, quant_config=ctx.quant_config, prefix=f"{prefix}.o_proj",
+                 params_dtype=ctx.dtype)
+    return qkv, out
+
+
 class RMSNorm(nn.Module):
     """RMS normalisation computed in float32; `offset=1` gives Gemma's (1 + w) form."""
 

@@ -18,6 +18,7 @@ from pagedllm import ops
 from pagedllm.core.contracts import AttentionContext, CausalLM, KVCacheSpec, ModelContext
 from pagedllm.core.loader import derived_max_model_len
 from pagedllm.plugins.models.layers import (
+    attention_projections,
     Attention,
     Linear,
     RMSNorm,
@@ -87,10 +88,9 @@ class LlamaAttention(nn.Module):
         spec = llama_kv_cache_spec(cfg, self.sliding_windows)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=qkv_bias,
-                               quant_config=ctx.quant_config, prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=getattr(cfg, "attention_out_bias", False),
-                             quant_config=ctx.quant_config, prefix=f"{prefix}.o_proj", params_dtype=ctx.dtype)
+        self.qkv_proj, self.o_proj = attention_projections(
+            ctx, self.num_heads, self.num_kv_heads, self.head_dim, prefix, qkv_bias,
+            bool(getattr(cfg, "attention_out_bias", False)))
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)

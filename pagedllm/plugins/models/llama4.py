@@ -32,7 +32,7 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.core.contracts import AttentionContext, KVCacheSpec, ModelContext
-from pagedllm.plugins.models.layers import Attention, Linear
+from pagedllm.plugins.models.layers import Attention, Linear, attention_projections
 from pagedllm.plugins.models.llama import (
     LlamaDecoderLayer,
     LlamaForCausalLM,
@@ -115,10 +115,8 @@ class Llama4Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj = Linear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=bias,
-                               quant_config=ctx.quant_config, prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=bias, quant_config=ctx.quant_config,
-                             prefix=f"{prefix}.o_proj", params_dtype=ctx.dtype)
+        self.qkv_proj, self.o_proj = attention_projections(ctx, self.num_heads, self.num_kv_heads, self.head_dim,
+                                                           prefix, bias, bias)
         self.use_rope = uses_rope(cfg)[layer_idx]
         self.qk_norm = bool(getattr(cfg, "use_qk_norm", True)) and self.use_rope
         self.temperature_tuning = bool(getattr(cfg, "attn_temperature_tuning", True)) and not self.use_rope
