@@ -46,9 +46,8 @@ import torch
 from torch import nn
 
 from pagedllm.core.contracts import AttentionContext, KVCacheSpec, ModelContext
-from pagedllm.core.loader import derived_max_model_len
-from pagedllm.plugins.models.layers import Linear, RMSNorm, RotaryEmbedding
-from pagedllm.plugins.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel
+from pagedllm.plugins.models.layers import Linear, RMSNorm
+from pagedllm.plugins.models.llama import LlamaForCausalLM, LlamaMLP, LlamaModel, rotary_for
 from pagedllm.plugins.models.moe import FusedMoE, process_moe_after_loading
 from pagedllm.plugins.models.rope import rope_parameters, yarn_attention_scale
 
@@ -263,12 +262,8 @@ class DeepseekV2MoE(DeepseekV3MoE):
 class DeepseekModel(LlamaModel):
     """Llama's stack with the rotary table over qk_rope_head_dim (the rotated part only)."""
 
-    def __init__(self, ctx: ModelContext, make_layer) -> None:
-        super().__init__(ctx, make_layer)
-        cfg = ctx.hf_config
-        theta, scaling = rope_parameters(cfg)
-        self.rotary = RotaryEmbedding(cfg.qk_rope_head_dim, derived_max_model_len(cfg)[0], theta, scaling,
-                                      max_position_embeddings=cfg.max_position_embeddings)
+    def make_position_tables(self, ctx: ModelContext) -> nn.Module:
+        return rotary_for(ctx.hf_config, ctx.hf_config.qk_rope_head_dim)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):

@@ -32,10 +32,9 @@ from pagedllm.plugins.models.layers import (
     Linear,
     RMSNorm,
     RotaryEmbedding,
-    VocabEmbedding,
     rope_parameters,
 )
-from pagedllm.plugins.models.llama import LlamaForCausalLM, llama_kv_cache_spec
+from pagedllm.plugins.models.llama import LlamaForCausalLM, LlamaModel, llama_kv_cache_spec
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' defaults when a config names no theta for a layer type (Gemma 3)
@@ -184,40 +183,47 @@ class GemmaDecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class GemmaModel(nn.Module):
-    def __init__(self, ctx: ModelContext, make_layer: Callable[[int, str], nn.Module]) -> None:
+class GemmaRotaries(nn.Module):
+    """One rotary table per distinct rope of the layer types (sliding layers: the local base),
+    looked up once per step; `of[layer type]` names the table a layer reads."""
+
+    def __init__(self, cfg: Any) -> None:
         super().__init__()
-        cfg = ctx.hf_config
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.quant_config,
-                                           "model.embed_tokens")
-        self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=1.0, dtype=ctx.dtype)
-        # transformers rounds sqrt(hidden) to the model dtype before multiplying (bf16: 55.4 -> 55.5)
-        self.embed_scale = float(torch.tensor(cfg.hidden_size ** 0.5, dtype=ctx.dtype))
         head_size = gemma_kv_cache_spec(cfg).head_size
         ropes = rope_by_layer_type(cfg)
-        used = sorted(set(layer_types(cfg)))
-        self.rotary = nn.ModuleDict()
-        self.rotary_of: dict[str, str] = {}  # layer type -> the rotary table it uses (shared when equal)
-        for kind in used:
-            same = next((k for k in self.rotary if ropes[k] == ropes[kind]), None)
+        self.tables = nn.ModuleDict()
+        self.of: dict[str, str] = {}  # layer type -> the table it uses (shared when equal)
+        for kind in sorted(set(layer_types(cfg))):
+            same = next((k for k in self.tables if ropes[k] == ropes[kind]), None)
             if same is None:
                 theta, scaling = ropes[kind]
-                self.rotary[kind] = RotaryEmbedding(head_size, derived_max_model_len(cfg)[0], theta, scaling,
+                self.tables[kind] = RotaryEmbedding(head_size, derived_max_model_len(cfg)[0], theta, scaling,
                                                     max_position_embeddings=cfg.max_position_embeddings)
-            self.rotary_of[kind] = same or kind
-        self.aux_layers: tuple[int, ...] = ()
+            self.of[kind] = same or kind
 
-    def forward(self, input_ids, positions, attn):
-        x, residual = self.embed_tokens(input_ids) * self.embed_scale, None
-        tables = {name: rotary.lookup(positions) for name, rotary in self.rotary.items()}
-        aux = {}
-        for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
-                aux[i] = x if residual is None else x + residual
-            x, residual = layer(tables[self.rotary_of[layer.layer_type]], x, residual, attn)
-        x, _ = self.norm(x, residual)
-        return torch.cat([x, *(aux[i] for i in self.aux_layers)], dim=-1) if aux else x
+    def lookup(self, positions: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return {name: rotary.lookup(positions) for name, rotary in self.tables.items()}
+
+
+class GemmaModel(LlamaModel):
+    """Llama's stack with (1 + w) norms, embeddings scaled by sqrt(hidden) and a rotary table
+    per layer type."""
+
+    norm_offset = 1.0
+
+    def __init__(self, ctx: ModelContext, make_layer: Callable[[int, str], nn.Module]) -> None:
+        super().__init__(ctx, make_layer)
+        # transformers rounds sqrt(hidden) to the model dtype before multiplying (bf16: 55.4 -> 55.5)
+        self.embed_scale = float(torch.tensor(ctx.hf_config.hidden_size ** 0.5, dtype=ctx.dtype))
+
+    def make_position_tables(self, ctx: ModelContext) -> nn.Module:
+        return GemmaRotaries(ctx.hf_config)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids) * self.embed_scale
+
+    def layer_tables(self, tables: Any, layer: nn.Module) -> Any:
+        return tables[self.rotary.of[layer.layer_type]]
 
 
 class Gemma3ForCausalLM(LlamaForCausalLM):

@@ -160,29 +160,50 @@ class LlamaDecoderLayer(nn.Module):
         return getattr(self, self.mlp_name)(x), residual
 
 
+def rotary_for(cfg: Any, rotary_dim: int) -> RotaryEmbedding:
+    """The rotary tables of a config's rope (theta, scaling) over `rotary_dim` dims, long enough
+    for the longest context the engine allows (scaled rope: past max_position_embeddings)."""
+    theta, scaling = rope_parameters(cfg)
+    return RotaryEmbedding(rotary_dim, derived_max_model_len(cfg)[0], theta, scaling,
+                           max_position_embeddings=cfg.max_position_embeddings)
+
+
 class LlamaModel(nn.Module):
+    """Embedding -> decoder layers -> final norm. Subclasses change what differs through
+    `norm_offset`, `make_position_tables` (what layers read per position, looked up once
+    per step), `embed` and `layer_tables` (which of those tables a layer gets)."""
+
+    norm_offset = 0.0  # Gemma: (1 + w) norms
+
     def __init__(self, ctx: ModelContext, make_layer: Callable[[int, str], nn.Module]) -> None:
         super().__init__()
         cfg = ctx.hf_config
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.quant_config,
                                            "model.embed_tokens")
         self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=ctx.dtype)
-        theta, scaling = rope_parameters(cfg)
-        # the table covers the longest context the engine allows (scaled rope: past max_position_embeddings)
-        self.rotary = RotaryEmbedding(llama_kv_cache_spec(cfg).head_size, derived_max_model_len(cfg)[0], theta,
-                                      scaling, max_position_embeddings=cfg.max_position_embeddings)
-
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=self.norm_offset, dtype=ctx.dtype)
+        self.rotary = self.make_position_tables(ctx)
         self.aux_layers: tuple[int, ...] = ()
 
+    def make_position_tables(self, ctx: ModelContext) -> nn.Module:
+        """A module whose `lookup(positions)` gives what the layers read per position."""
+        return rotary_for(ctx.hf_config, llama_kv_cache_spec(ctx.hf_config).head_size)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def layer_tables(self, tables: Any, layer: nn.Module) -> Any:
+        """The part of the step's position tables `layer` reads (all of them here)."""
+        return tables
+
     def forward(self, input_ids, positions, attn):
-        x, residual = self.embed_tokens(input_ids), None
-        rope = self.rotary.lookup(positions)
+        x, residual = self.embed(input_ids), None
+        tables = self.rotary.lookup(positions)
         aux = {}
         for i, layer in enumerate(self.layers):
             if i in self.aux_layers:
                 aux[i] = x if residual is None else x + residual
-            x, residual = layer(rope, x, residual, attn)
+            x, residual = layer(self.layer_tables(tables, layer), x, residual, attn)
         x, _ = self.norm(x, residual)
         return torch.cat([x, *(aux[i] for i in self.aux_layers)], dim=-1) if aux else x
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import torch
 from torch import nn
@@ -218,9 +218,8 @@ class Llama4PositionTables(nn.Module):
 class Llama4Model(LlamaModel):
     """Llama's model with Llama 4's per-position tables (rotary rows and q temperature)."""
 
-    def __init__(self, ctx: ModelContext, make_layer: Callable[[int, str], nn.Module]) -> None:
-        super().__init__(ctx, make_layer)
-        self.rotary = Llama4PositionTables(self.rotary, ctx.hf_config)
+    def make_position_tables(self, ctx: ModelContext) -> nn.Module:
+        return Llama4PositionTables(super().make_position_tables(ctx), ctx.hf_config)
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
