@@ -51,6 +51,23 @@ def raw_num_cols(raw: torch.Tensor, qtype: int) -> int:
     return raw.shape[-1] // type_size * block_size
 
 
+def num_cols(loaded: torch.Tensor, qtype: int | None) -> int:
+    """Values per row of a loaded tensor: its last dim if float, else what its blocks decode to."""
+    return loaded.shape[-1] if qtype is None else raw_num_cols(loaded, qtype)
+
+
+def group_by_type(shards: Sequence[tuple[int | None, torch.Tensor]]) -> list[tuple[int | None, list[torch.Tensor]]]:
+    """Neighbouring (type, tensor) shards of one ggml type joined into one group, so that
+    each group is one kernel call (q/k/v or gate/up of one type)."""
+    groups: list[tuple[int | None, list[torch.Tensor]]] = []
+    for qtype, tensor in shards:
+        if groups and groups[-1][0] == qtype:
+            groups[-1][1].append(tensor)
+        else:
+            groups.append((qtype, [tensor]))
+    return groups
+
+
 # With a dense copy, batches below a measured row count multiply straight from the
 # blocks (crossover.py, once per layer shape at load): streaming 4-bit blocks beats a
 # float32 GEMM for few rows (SmolLM2's shapes on AVX2, 2 threads: 1.3-2.3x at 1-4 rows,
@@ -120,7 +137,7 @@ class GGUFLinearMethod(LinearMethod):
     def _load_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
         qtype = getattr(loaded, "gguf_qtype", None)
         rows = sum(layer.gguf_output_sizes) if shard is None else layer.gguf_output_sizes[shard]
-        cols = loaded.shape[-1] if qtype is None else raw_num_cols(loaded, qtype)
+        cols = num_cols(loaded, qtype)
         if loaded.dim() != 2 or loaded.shape[0] != rows or cols != layer.gguf_input_size:
             kind = "float" if qtype is None else type_name(qtype)
             raise ValueError(f"{layer.prefix}: {kind} weight{'' if shard is None else f' shard {shard}'} has "
@@ -138,12 +155,7 @@ class GGUFLinearMethod(LinearMethod):
         if any(s is None for s in shards):
             missing = [i for i, s in enumerate(shards) if s is None]
             raise ValueError(f"{layer.prefix}: GGUF weight shards {missing} were never loaded")
-        groups: list[tuple[int | None, list[torch.Tensor]]] = []
-        for qtype, tensor in shards:  # join neighbours of one type: one kernel call each
-            if groups and groups[-1][0] == qtype:
-                groups[-1][1].append(tensor)
-            else:
-                groups.append((qtype, [tensor]))
+        groups = group_by_type(shards)
         device = shards[0][1].device
         del layer.weight
         layer.gguf_shards = []
@@ -251,7 +263,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
     def _load(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
         vocab, hidden = layer.gguf_shape
         qtype = getattr(loaded, "gguf_qtype", None)
-        cols = loaded.shape[-1] if qtype is None else raw_num_cols(loaded, qtype)
+        cols = num_cols(loaded, qtype)
         if loaded.dim() != 2 or (loaded.shape[0], cols) != (vocab, hidden):
             raise ValueError(f"{layer.prefix}: weight has {loaded.shape[0]}x{cols} values, expected {vocab}x{hidden}")
         layer.gguf_qtype = qtype

@@ -33,11 +33,7 @@ from pagedllm.ops.moe import activation_and_mul, expert_rows
 from pagedllm.plugins.models.moe import expert_loader, expert_parameter
 from pagedllm.plugins.quant.gguf_dequant import dequantize, dequantize_numpy
 from pagedllm.plugins.quant.gguf_file import type_name
-from pagedllm.plugins.quant.gguf_linear import raw_num_cols
-
-
-def _num_cols(loaded: torch.Tensor, qtype: int | None) -> int:
-    return loaded.shape[-1] if qtype is None else raw_num_cols(loaded, qtype)
+from pagedllm.plugins.quant.gguf_linear import group_by_type, num_cols
 
 
 def _dequantizing_loader(param: torch.Tensor, loaded: torch.Tensor, where: tuple[int | None, int | None]) -> None:
@@ -45,7 +41,7 @@ def _dequantizing_loader(param: torch.Tensor, loaded: torch.Tensor, where: tuple
     load-time dequantization) and copied into the dense parameter."""
     qtype = getattr(loaded, "gguf_qtype", None)
     if qtype is not None:
-        shape = (*loaded.shape[:-1], _num_cols(loaded, qtype))
+        shape = (*loaded.shape[:-1], num_cols(loaded, qtype))
         loaded = dequantize_numpy(loaded.cpu().numpy(), qtype, shape)
     expert_loader(param, loaded, where)
 
@@ -101,7 +97,7 @@ class GGUFMoEMethod(MoEMethod):
         qtype = getattr(loaded, "gguf_qtype", None)
         sizes = param.shard_sizes  # type: ignore[attr-defined]
         rows = sum(sizes) if shard is None else sizes[shard]
-        got = (*loaded.shape[:2], _num_cols(loaded, qtype)) if loaded.dim() == 3 else tuple(loaded.shape)
+        got = (*loaded.shape[:2], num_cols(loaded, qtype)) if loaded.dim() == 3 else tuple(loaded.shape)
         if got != (layer.num_experts, rows, cols):
             kind = "float" if qtype is None else type_name(qtype)
             raise ValueError(f"{layer.prefix}: {kind} {fused} tensor has shape {got}, expected "
@@ -121,14 +117,8 @@ class GGUFMoEMethod(MoEMethod):
         for fused, shards in layer.gguf_expert_shards.items():
             cols = layer.gguf_expert_cols[fused]
             delattr(layer, f"{fused}_weight")
-            groups: list[tuple[int | None, list[torch.Tensor]]] = []
-            for qtype, tensor in shards:  # gate and up of one type: one call per expert
-                if groups and groups[-1][0] == qtype:
-                    groups[-1][1].append(tensor)
-                else:
-                    groups.append((qtype, [tensor]))
-            parts = []
-            for j, (qtype, tensors) in enumerate(groups):
+            parts = []  # gate and up of one type: one call per expert
+            for j, (qtype, tensors) in enumerate(group_by_type(shards)):
                 data = tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=1)
                 parts.append(_make_part(layer, f"{fused}_qweight_{j}", qtype, data, cols))
             layer.gguf_expert_parts[fused] = parts
