@@ -32,6 +32,7 @@ GROUP_TITLES = {
     "parallel": "parallelism (not supported yet: sizes other than 1 are refused)",
     "device": "device and kernels",
     "spec": "speculative decoding",
+    "structured": "structured outputs",
     "server": "server",
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}

@@ -98,8 +98,8 @@ class BlockManager:
         The last token is always left to compute, even on a full hit, because the
         model must run on at least one token to produce the next token's logits.
         """
-        if not self.enable_caching:
-            return KVCacheBlocks(), 0
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
+            return KVCacheBlocks(), 0  # prompt logprobs need every prompt row computed
         bs = self.block_size
         hits: list[Block] = []
         for i, h in enumerate(self._hashes(req, (req.num_tokens - 1) // bs)):

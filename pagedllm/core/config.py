@@ -193,6 +193,34 @@ class SpecConfig:
                              "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
 
 
+STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace",
+                           "disable_additional_properties", "reasoning_parser", "enable_in_reasoning",
+                           "compile_timeout_s")
+
+
+@dataclass
+class StructuredOutputsConfig:
+    structured_outputs_config: dict | None = opt(
+        None, "Structured outputs, vLLM's JSON: {\"backend\": \"auto\" | \"llguidance\" | \"xgrammar\" | "
+        "\"outlines\", \"disable_any_whitespace\": bool, \"disable_additional_properties\": bool, "
+        "\"compile_timeout_s\": seconds (default 10), \"enable_in_reasoning\": bool}.", "structured")
+
+    def __post_init__(self) -> None:
+        value = self.structured_outputs_config
+        if value is None:
+            return
+        if not isinstance(value, dict):
+            raise ValueError("structured_outputs_config must be a dict, e.g. {\"backend\": \"xgrammar\"}")
+        unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_KEYS))
+        if unknown:
+            raise ValueError(f"structured_outputs_config: unknown keys {unknown}; valid keys: "
+                             f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}")
+
+    @property
+    def options(self) -> dict[str, Any]:
+        return dict(self.structured_outputs_config or {})
+
+
 CONCERNS = {
     "model": ModelConfig,
     "cache": CacheConfig,
@@ -200,6 +228,7 @@ CONCERNS = {
     "parallel": ParallelConfig,
     "device": DeviceConfig,
     "spec": SpecConfig,
+    "structured": StructuredOutputsConfig,
 }
 
 
@@ -211,6 +240,7 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     spec: SpecConfig = field(default_factory=SpecConfig)
+    structured: StructuredOutputsConfig = field(default_factory=StructuredOutputsConfig)
     plugin_options: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

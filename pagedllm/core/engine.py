@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -20,6 +22,7 @@ from typing import Any, AsyncIterator, Callable
 from pagedllm.core import envs
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.config import EngineConfig, default_model
+from pagedllm.core.contracts import LogitsProcessorContext, LogitsProcessorFactory
 from pagedllm.core.detokenizer import IncrementalDetokenizer
 from pagedllm.core.loader import derived_max_model_len, open_model
 from pagedllm.core.plugins import get_registry
@@ -92,14 +95,11 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs, budget,
                                    self.max_model_len, config.scheduler.enable_chunked_prefill,
                                    num_lookahead_slots=proposer.num_lookahead_slots if proposer else 0)
-        self.eos_token_id = getattr(self.tokenizer, "eos_token_id", None)
-        if self.eos_token_id is None:
-            self.eos_token_id = getattr(self.hf_config, "eos_token_id", None)
-        if self.eos_token_id is None:
-            self.eos_token_id = getattr(text_config, "eos_token_id", None)
-        if isinstance(self.eos_token_id, list):
-            self.eos_token_id = self.eos_token_id[0]
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.hf_config, text_config, path)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.vocab_size = text_config.vocab_size
+        self.logits_factories = self._logits_factories(registry, config)
+        self._pending: list[Request] = []  # requests whose processors are not ready yet
         self.parents: dict[str, _Parent] = {}
         self.child_to_parent: dict[str, str] = {}
         self.stats = EngineStats()
@@ -119,10 +119,32 @@ class LLMEngine:
 
     def validate_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: the ranges this model sets (token ids)."""
-        bad = [t for t in params.stop_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {self.vocab_size})")
+        for name in ("stop_token_ids", "allowed_token_ids", "logit_bias"):
+            bad = [t for t in getattr(params, name) or () if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"SamplingParams.{name} has token ids {bad[:5]} outside the vocabulary "
+                                 f"[0, {self.vocab_size})")
+        for factory in self.logits_factories:
+            factory.validate(params)
+
+    def _logits_factories(self, registry: Any, config: EngineConfig) -> list[LogitsProcessorFactory]:
+        """One factory per registered logits-processor plugin, built once."""
+        options = {**config.plugin_options, **config.structured.options}
+        reasoning_end = options.pop("reasoning_end", None)
+        context = LogitsProcessorContext(self.tokenizer, self.vocab_size, self.eos_token_ids, options,
+                                         reasoning_end)
+        return [cls(context) for _, cls in sorted(registry.logits_processors.items())]
+
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """The token sequences each bad word may be generated as: alone and after a space
+        (vLLM's rule), without special tokens."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word, " " + word.lstrip(" ")):
+                ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
 
     def add_request(self, request_id: str | None, prompt: str | None, params: SamplingParams,
                     prompt_token_ids: list[int] | None = None) -> str:
@@ -137,12 +159,19 @@ class LLMEngine:
         prompt_token_ids = list(prompt_token_ids)
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
+        bad_words = self._bad_words_token_ids(params.bad_words) if params.bad_words else []
         children = []
         for i in range(params.n):
             child_params = params if params.n == 1 else params.clone(
                 n=1, seed=None if params.seed is None else params.seed + i)
             child_id = request_id if params.n == 1 else f"{i}_{request_id}"
-            children.append(Request(child_id, prompt_token_ids, child_params, self.eos_token_id, prompt))
+            child = Request(child_id, prompt_token_ids, child_params, self.eos_token_ids, prompt)
+            child.bad_words_token_ids = bad_words
+            child.logits_processors = [proc for f in self.logits_factories
+                                       if (proc := f.create(child_params, prompt_token_ids)) is not None]
+            if child.logits_processors and not child.processors_ready:
+                self._pending.append(child)
+            children.append(child)
         parent = _Parent(request_id, prompt, prompt_token_ids, children, {
             c.request_id: IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens,
                                                  params.stop, params.include_stop_str_in_output)
@@ -178,12 +207,19 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
+        failed = self._check_pending()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if self._pending:
+                time.sleep(0.001)  # only compiling requests: wait for them without spinning a core
+            return [self._finish_parent(p) for p in failed if p.request_id in self.parents]
         result = self.worker.execute(out)
+        for request_id, entries in result.prompt_logprobs.items():
+            req = self.scheduler.requests.get(request_id)
+            if req is not None and req.prompt_logprobs is not None:
+                req.prompt_logprobs.extend(self._logprob_record(t, e) for t, e in entries)
         touched = self.scheduler.update_from_output(out, result.sampled)
-        changed: dict[str, _Parent] = {}
+        changed: dict[str, _Parent] = {p.request_id: p for p in failed}
         generated = 0
         for req, new_tokens in touched:
             parent = self.parents[self.child_to_parent[req.request_id]]
@@ -208,6 +244,29 @@ class LLMEngine:
         if self.worker.proposer is not None:
             self._measure(out, touched, time.perf_counter() - start)
         return outputs
+
+    def _check_pending(self) -> list[_Parent]:
+        """Drop requests whose processors became ready from the pending list; end those
+        whose processors failed (their error is reported). Returns the parents ended."""
+        if not self._pending:
+            return []
+        failed: dict[str, _Parent] = {}
+        still = []
+        for req in self._pending:
+            if req.is_finished:
+                continue
+            why = next((w for p in req.logits_processors if (w := p.failure()) is not None), None)
+            if why is not None:
+                req.error = why
+                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
+                for sibling in self.parents[self.child_to_parent[req.request_id]].children:
+                    self.scheduler.finish(sibling, RequestStatus.FINISHED_ABORTED)
+                parent = self.parents[self.child_to_parent[req.request_id]]
+                failed[parent.request_id] = parent
+            elif not req.processors_ready:
+                still.append(req)
+        self._pending = still
+        return list(failed.values())
 
     def _measure(self, out: SchedulerOutput, touched: list[tuple[Request, list[int]]], seconds: float) -> None:
         """What the payoff guard learns from a step: its time per row (decode and verify
@@ -250,12 +309,16 @@ class LLMEngine:
         if req.logprobs is None or not logprobs:
             return
         for token, entry in zip(tokens, logprobs):
-            chosen, rank, top_ids, top_vals = entry
-            req.cumulative_logprob += chosen
-            record = {token: Logprob(chosen, rank, self._token_text(token))}
-            for r, (tid, val) in enumerate(zip(top_ids, top_vals), 1):
-                record.setdefault(tid, Logprob(val, r, self._token_text(tid)))
-            req.logprobs.append(record)
+            req.cumulative_logprob += entry[0]
+            req.logprobs.append(self._logprob_record(token, entry))
+
+    def _logprob_record(self, token: int, entry: Any) -> dict[int, Logprob]:
+        """One position's record: the chosen token first, then the top alternatives."""
+        chosen, rank, top_ids, top_vals = entry
+        record = {token: Logprob(chosen, rank, self._token_text(token))}
+        for r, (tid, val) in enumerate(zip(top_ids, top_vals), 1):
+            record.setdefault(tid, Logprob(val, r, self._token_text(tid)))
+        return record
 
     def _token_text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -273,7 +336,9 @@ class LLMEngine:
         first = parent.children[0]
         return RequestOutput(parent.request_id, parent.prompt, parent.prompt_token_ids, completions,
                              finished=all(c.is_finished for c in parent.children),
-                             num_cached_tokens=first.num_cached_tokens, metrics=first.metrics)
+                             num_cached_tokens=first.num_cached_tokens, metrics=first.metrics,
+                             prompt_logprobs=first.prompt_logprobs,
+                             error=next((c.error for c in parent.children if c.error), None))
 
     def _finish_parent(self, parent: _Parent) -> RequestOutput:
         output = self._output(parent)
@@ -282,6 +347,29 @@ class LLMEngine:
             self.child_to_parent.pop(child.request_id, None)
             self.worker.forget(child.request_id)
         return output
+
+
+def _eos_token_ids(tokenizer: Any, hf_config: Any, text_config: Any, path: str) -> tuple[int, ...]:
+    """Every id that ends a sequence, first the tokenizer's: the configs' `eos_token_id`
+    (an int or a list, as Llama 3's <|eot_id|> and <|eom_id|>) and generation_config.json's."""
+    found: list[int] = []
+
+    def add(value: Any) -> None:
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(v, int) and v not in found:
+                found.append(v)
+
+    add(getattr(tokenizer, "eos_token_id", None))
+    add(getattr(hf_config, "eos_token_id", None))
+    add(getattr(text_config, "eos_token_id", None))
+    generation = os.path.join(path, "generation_config.json") if os.path.isdir(path) else None
+    if generation and os.path.exists(generation):
+        try:
+            with open(generation) as f:
+                add(json.load(f).get("eos_token_id"))
+        except (OSError, ValueError, AttributeError):
+            logger.warning("could not read %s; ignoring its eos_token_id", generation)
+    return tuple(found)
 
 
 class _Latest:
@@ -454,4 +542,4 @@ class AsyncLLMEngine:
                     self.engine.abort(request_id)
                     self._deliver(request_id, RuntimeError(f"engine error: {exc}"))
                 continue
-            self._deliver_all([(out.request_id, out) for out in outputs])
+            self._deliver_all([(out.request_id, ValueError(out.error) if out.error else out) for out in outputs])

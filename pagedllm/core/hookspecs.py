@@ -39,9 +39,11 @@ if TYPE_CHECKING:
         CausalLM,
         CheckpointFormat,
         GraphRunner,
+        LogitsProcessorFactory,
         OpImpl,
         QuantConfig,
         SpecProposer,
+        ToolParser,
     )
 
 PROJECT = "pagedllm"
@@ -130,6 +132,28 @@ def pagedllm_graph_runners() -> dict[str, type[GraphRunner]]:
     Returns: {name: GraphRunner subclass}. After the model loads (unless
     --enforce-eager), the worker builds the runnable one (empty `check(device,
     backend)`) with the highest `priority` for the device; with none, steps run eagerly.
+    """
+
+
+@hookspec
+def pagedllm_logits_processors() -> dict[str, type[LogitsProcessorFactory]]:
+    """Per-request logits processors by name (e.g. {"structured_outputs": ...}).
+
+    Returns: {name: LogitsProcessorFactory subclass}. Every factory is built once per
+    engine (with a `LogitsProcessorContext`) and asked, for each request, to `validate`
+    its SamplingParams and `create` a processor (or None: most requests need none).
+    See `core/contracts/logits.py` for when each method is called. A factory reads its
+    own request fields (`structured_outputs`, or its keys in `extra_args`).
+    """
+
+
+@hookspec
+def pagedllm_tool_parsers() -> dict[str, type[ToolParser]]:
+    """Tool-call parsers by `--tool-call-parser` name (e.g. {"hermes": HermesToolParser}).
+
+    Returns: {name: ToolParser subclass}. Text only (see `core/contracts/tools.py`): a
+    parser never imports the server. `--tool-parser-plugin FILE` loads a Python file
+    that registers more the same way (vLLM's flag).
     """
 
 

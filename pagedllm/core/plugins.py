@@ -22,9 +22,11 @@ from pagedllm.core.contracts import (
     CausalLM,
     CheckpointFormat,
     GraphRunner,
+    LogitsProcessorFactory,
     OpImpl,
     QuantConfig,
     SpecProposer,
+    ToolParser,
 )
 
 logger = logging.getLogger("pagedllm")
@@ -51,6 +53,10 @@ class PluginRegistry:
             pm.hook.pagedllm_checkpoint_formats(), "checkpoint format")
         self.graph_runners: dict[str, type[GraphRunner]] = self._merge(
             pm.hook.pagedllm_graph_runners(), "graph runner")
+        self.logits_processors: dict[str, type[LogitsProcessorFactory]] = self._merge(
+            pm.hook.pagedllm_logits_processors(), "logits processor")
+        self.tool_parsers: dict[str, type[ToolParser]] = self._merge(
+            pm.hook.pagedllm_tool_parsers(), "tool parser")
         self.op_impls: dict[str, list[OpImpl]] = self._merge_op_impls(pm.hook.pagedllm_op_impls())
 
     @staticmethod

@@ -19,6 +19,54 @@ from typing import Any
 # is uniform), so larger values are refused rather than clamped.
 MAX_TEMPERATURE = 1e6
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-6, 1e6
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for logit_bias values
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's `StructuredOutputsParams`): exactly one of the
+    constraint fields. The structured-outputs plugin compiles it; the core only carries it.
+
+    json: a JSON schema (dict or its JSON text); regex: a regular expression; choice:
+    one of these strings; grammar: an EBNF / Lark grammar; json_object: any JSON object;
+    structural_tag: a structural-tag specification (JSON text: free text with tagged,
+    schema-constrained regions, as tool calls need)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("SamplingParams.structured_outputs must set exactly one of "
+                             f"{', '.join(self.KINDS)}; got {', '.join(given) or 'none'}")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("SamplingParams.structured_outputs choice must be a non-empty list of strings")
+        for name in ("regex", "grammar"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"SamplingParams.structured_outputs {name} must be a string")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError("SamplingParams.structured_outputs json must be a JSON schema (an object or its text)")
+
+    @property
+    def kind(self) -> str:
+        """The constraint field that is set ("json", "regex", ...)."""
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    @property
+    def spec(self) -> Any:
+        """The value of that field."""
+        return getattr(self, self.kind)
 
 
 @dataclass
@@ -43,12 +91,26 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] | None = None  # words never generated (each token sequence they encode to)
+    # for plugins (a logits processor reads its own keys here), as vLLM's SamplingParams.extra_args
+    extra_args: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = [self.bad_words] if isinstance(self.bad_words, str) else list(self.bad_words)
         checks = [
             ("n", self.n >= 1, ">= 1"),
             ("temperature", 0.0 <= self.temperature <= MAX_TEMPERATURE, f"in [0, {MAX_TEMPERATURE:g}]"),
@@ -62,7 +124,12 @@ class SamplingParams:
             ("repetition_penalty", MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
              f"in [{MIN_REPETITION_PENALTY:g}, {MAX_REPETITION_PENALTY:g}]"),
             ("logprobs", self.logprobs is None or self.logprobs >= 0, ">= 0"),
-            ("prompt_logprobs", self.prompt_logprobs is None, "unset (not supported yet)"),
+            ("prompt_logprobs", self.prompt_logprobs is None or self.prompt_logprobs >= 0, ">= 0"),
+            ("logit_bias", all(-MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS for v in (self.logit_bias or {}).values()),
+             f"a map of token ids to values in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
+            ("allowed_token_ids", self.allowed_token_ids is None or bool(self.allowed_token_ids),
+             "a non-empty list of token ids"),
+            ("bad_words", all(isinstance(w, str) and w for w in self.bad_words or []), "a list of non-empty strings"),
         ]
         for name, ok, allowed in checks:
             if not ok:
@@ -75,6 +142,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < 1e-5
+
+    @property
+    def has_token_rules(self) -> bool:
+        """Whether the sampler must edit this request's logits beyond penalties
+        (logit_bias, allowed_token_ids, bad_words)."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None or bool(self.bad_words)
 
     def clone(self, **changes: Any) -> "SamplingParams":
         values = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -132,6 +205,9 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # per prompt token (the first has none: nothing predicts it), when prompt_logprobs is set
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # set when the engine ended the request (a logits processor failed)
 
 
 @dataclass(eq=False)
@@ -141,7 +217,7 @@ class Request:
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    eos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()  # any of them ends the request (unless ignore_eos)
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
@@ -154,12 +230,33 @@ class Request:
     cumulative_logprob: float = 0.0
     block_hashes: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # plugins' constraints on the next tokens (structured outputs, ...): see contracts.LogitsProcessor
+    logits_processors: list[Any] = field(default_factory=list)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # why the request was ended by the engine (a processor that failed)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         if self.params.logprobs is not None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The first end-of-sequence id (what reports name); `eos_token_ids` holds them all."""
+        return self.eos_token_ids[0] if self.eos_token_ids else None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether anything edits this request's logits beyond penalties."""
+        return bool(self.logits_processors) or self.params.has_token_rules
+
+    @property
+    def processors_ready(self) -> bool:
+        return all(p.ready() for p in self.logits_processors)
 
     @property
     def num_prompt_tokens(self) -> int:

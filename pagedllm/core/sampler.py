@@ -17,6 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
+from pagedllm.core.contracts.logits import bitmask_words, unpack_bitmask
 from pagedllm.core.request import Request, SamplingParams
 
 
@@ -62,24 +63,30 @@ class Sampler:
 
     # ------------------------------------------------------------------ processing
 
-    def _penalize(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The logits after min_tokens bans and repetition penalties: a copy where any
-        applies (the raw logits stay for logprobs), `logits` itself where none does."""
+    def _penalize(self, logits: torch.Tensor, requests: list[Any],
+                  drafts: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """The logits to sample from: token rules (allowed_token_ids, bad_words,
+        logit_bias), min_tokens bans, repetition penalties, then the logits processors'
+        masks (structured outputs). A copy where any applies (the raw logits stay for
+        logprobs), `logits` itself where none does. `drafts` (verify steps): each
+        request's drafts, whose rows `requests` lists one per verified position."""
         bans = []
         for i, req in enumerate(requests):
             p = req.params
             if req.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([req.eos_token_id] if req.eos_token_id is not None else [])
+                banned = list(p.stop_token_ids) + list(req.eos_token_ids)
                 if banned:
                     bans.append((i, banned))
+        ruled = [i for i, r in enumerate(requests) if r.params.has_token_rules]
         needs = [i for i, r in enumerate(requests) if _has_penalty(r.params)]
-        if not bans and not needs:
+        constrained = any(r.logits_processors for r in requests)
+        if not bans and not needs and not ruled and not constrained:
             return logits
         logits = logits.clone()
+        for i in ruled:
+            _apply_token_rules(logits[i], requests[i])
         for i, banned in bans:
             logits[i, banned] = float("-inf")
-        if not needs:
-            return logits
         vocab = logits.shape[1]
         for i in needs:
             req, p = requests[i], requests[i].params
@@ -94,6 +101,8 @@ class Sampler:
                                         minlength=vocab)[:vocab].to(row.dtype)
                 row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
             logits[i] = row
+        if constrained:
+            _apply_processors(logits, requests, drafts)
         return logits
 
     def _distributions(self, logits: torch.Tensor, requests: list[Request]):
@@ -157,7 +166,7 @@ class Sampler:
         if logits.shape[0] != n:
             raise ValueError(f"verify: {logits.shape[0]} logits rows for {n} rows (each request's drafts + 1)")
         raw = logits
-        logits = self._penalize(logits, rows)
+        logits = self._penalize(logits, rows, drafts)
         dev = logits.device
         offsets = [0]
         for d in drafts:
@@ -339,12 +348,15 @@ class _Ahead:
     """A request as seen from a later position of its speculative run: the drafts before
     that position count as generated (penalties and min_tokens read them)."""
 
-    __slots__ = ("request_id", "params", "eos_token_id", "output_token_ids", "all_token_ids")
+    __slots__ = ("request_id", "params", "eos_token_ids", "output_token_ids", "all_token_ids",
+                 "bad_words_token_ids", "logits_processors")
 
     def __init__(self, req: Request, drafts: Sequence[int]) -> None:
         self.request_id = req.request_id
         self.params = req.params
-        self.eos_token_id = req.eos_token_id
+        self.eos_token_ids = req.eos_token_ids
+        self.bad_words_token_ids = req.bad_words_token_ids
+        self.logits_processors = req.logits_processors
         self.output_token_ids = req.output_token_ids + list(drafts)
         self.all_token_ids = req.all_token_ids + list(drafts)
 
@@ -363,9 +375,77 @@ def _ahead_rows(requests: list[Request], drafts: list[Sequence[int]]) -> list[An
     (no penalty, min_tokens reached), else the request as of that row (`_Ahead`)."""
     rows: list[Any] = []
     for req, d in zip(requests, drafts):
-        if not _has_penalty(req.params) and req.num_output_tokens >= req.params.min_tokens:
+        if not _has_penalty(req.params) and not req.bad_words_token_ids and \
+                req.num_output_tokens >= req.params.min_tokens:
             rows.extend([req] * (len(d) + 1))
         else:
             rows.append(req)
             rows.extend(_Ahead(req, d[:j]) for j in range(1, len(d) + 1))
     return rows
+
+
+def _apply_token_rules(row: torch.Tensor, req: Any) -> None:
+    """allowed_token_ids, bad_words and logit_bias on one row of logits, in place."""
+    p = req.params
+    if p.allowed_token_ids is not None:
+        keep = torch.zeros_like(row, dtype=torch.bool)
+        keep[torch.tensor(p.allowed_token_ids, device=row.device)] = True
+        row.masked_fill_(~keep, float("-inf"))
+    if req.bad_words_token_ids:
+        history = req.all_token_ids
+        banned = [seq[-1] for seq in req.bad_words_token_ids
+                  if len(seq) == 1 or (len(history) >= len(seq) - 1 and history[-(len(seq) - 1):] == seq[:-1])]
+        if banned:
+            row[banned] = float("-inf")
+    if p.logit_bias:
+        ids = torch.tensor(list(p.logit_bias), device=row.device)
+        row[ids] += torch.tensor(list(p.logit_bias.values()), dtype=row.dtype, device=row.device)
+
+
+def _apply_processors(logits: torch.Tensor, rows: list[Any], drafts: Sequence[Sequence[int]] | None) -> None:
+    """Mask `logits` in place with the logits processors' bitmasks, one row per sampled
+    position. In a verify step a request's rows are its next token and each of its
+    drafts: its processors accept the drafts tentatively to fill the later rows, then
+    roll them back (the accepted tokens are accepted for real after sampling); rows past
+    a draft a processor refuses stay unmasked (that draft is masked out, so they are never
+    used). A row that allows nothing keeps the end-of-sequence tokens, so the request ends
+    instead of sampling from nothing."""
+    vocab = logits.shape[1]
+    groups = [(r, ()) for r in rows] if drafts is None else _first_rows(rows, drafts)
+    width = max(len(r.logits_processors) for r, _ in groups)
+    masks = [torch.full((logits.shape[0], bitmask_words(vocab)), -1, dtype=torch.int32) for _ in range(width)]
+    touched: list[int] = []
+    base = 0
+    for req, d in groups:
+        for mask, proc in zip(masks, req.logits_processors):
+            accepted = 0
+            for j in range(len(d) + 1):
+                proc.fill_bitmask(mask, base + j)
+                if j == len(d) or not proc.accept([d[j]]):
+                    break
+                accepted += 1
+            if accepted:
+                proc.rollback(accepted)
+        if req.logits_processors:
+            touched.extend(range(base, base + len(d) + 1))
+        base += len(d) + 1
+    bitmask = masks[0]
+    for mask in masks[1:]:
+        bitmask &= mask
+    index = torch.tensor(touched)
+    allowed = unpack_bitmask(bitmask[index], vocab)
+    for i, row in enumerate(touched):
+        if not bool(allowed[i].any()):
+            eos = [t for t in rows[row].eos_token_ids if t < vocab]
+            allowed[i, eos] = True
+    index = index.to(logits.device)
+    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+
+
+def _first_rows(rows: list[Any], drafts: Sequence[Sequence[int]]) -> list[tuple[Any, Sequence[int]]]:
+    """(request, its drafts) per verified request, from the flat rows of a verify step."""
+    out, at = [], 0
+    for d in drafts:
+        out.append((rows[at], d))
+        at += len(d) + 1
+    return out

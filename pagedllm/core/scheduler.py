@@ -9,6 +9,7 @@ request owns blocks for all of its computed and scheduled tokens.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.request import Request, RequestStatus
 from pagedllm.core.spec_decode import SpecStats
+
+logger = logging.getLogger("pagedllm")
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,12 @@ class Scheduler:
         kept.extend(queue)  # running requests the budget did not reach stay running
         self.running = kept
 
+        compiling: list[Request] = []  # waiting requests whose logits processors are not ready
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if req.logits_processors and not req.processors_ready:
+                compiling.append(self.waiting.popleft())  # the requests behind it go first
+                continue
             computed, num_cached = self.block_manager.get_computed_blocks(req)
             num_new = req.num_tokens - num_cached
             if num_new > budget and not self.enable_chunked_prefill:
@@ -110,6 +117,7 @@ class Scheduler:
             self.running.append(req)
             scheduled.append(self._entry(req, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
         return SchedulerOutput(tuple(scheduled), tuple(preempted))
 
     def _slots(self, req: Request, num_new: int, computed: int | None = None) -> int:
@@ -162,6 +170,9 @@ class Scheduler:
                 reason = self._token_stop(req, token)
                 if reason:
                     break
+            if req.logits_processors and appended:
+                processors_stop = self._advance_processors(req, tokens[:appended])
+                reason = reason or processors_stop
             self.block_manager.cache_full_blocks(req)
             if reason:
                 self.finish(req, reason)
@@ -169,10 +180,25 @@ class Scheduler:
                 touched.append((req, tokens[:appended]))
         return touched
 
+    @staticmethod
+    def _advance_processors(req: Request, tokens: list[int]) -> RequestStatus | None:
+        """Tell the request's logits processors what was appended; a stop when one is
+        complete (a finished grammar) or refused a token (which its mask had allowed
+        away only when it left nothing else: the request cannot go on)."""
+        stop = None
+        for proc in req.logits_processors:
+            if not proc.accept(tokens):
+                logger.warning("request %s: logits processor %s refused token(s) %s; stopping it",
+                               req.request_id, type(proc).__name__, tokens)
+                stop = RequestStatus.FINISHED_STOPPED
+            elif proc.is_terminated():
+                stop = RequestStatus.FINISHED_STOPPED
+        return stop
+
     def _token_stop(self, req: Request, token: int) -> RequestStatus | None:
         params = req.params
         if req.num_output_tokens >= params.min_tokens:
-            if not params.ignore_eos and token == req.eos_token_id:
+            if not params.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:

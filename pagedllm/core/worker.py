@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import mmap
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -129,6 +129,12 @@ def _common_window(specs: Sequence[KVCacheSpec]) -> int | None:
 class StepResult:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[Any]]
+    # per request asking prompt_logprobs: (prompt token, logprob entry) for the prompt
+    # positions this step computed that it has no record of yet, in order
+    prompt_logprobs: dict[str, list[tuple[int, Any]]] = field(default_factory=dict)
+
+
+PROMPT_LOGPROBS_SLICE = 256  # prompt rows turned into vocabulary-wide logits at a time
 
 
 class Worker:
@@ -377,9 +383,10 @@ class Worker:
             self._last_step = TargetStep(layout, hidden, aux, {e.request.request_id: i for i, e in enumerate(entries)},
                                          [e.request.all_token_ids for e in entries], [e.samples for e in entries])
             self.proposer.observe(self._last_step)
+        prompt_logprobs = self._prompt_logprobs(entries, hidden, layout)
         sampling = [i for i, e in enumerate(entries) if e.samples]
         if not sampling:
-            return StepResult({}, {})
+            return StepResult({}, {}, prompt_logprobs)
         requests: list[Request] = [entries[i].request for i in sampling]
         ends = layout.query_start_loc_cpu[1:]
         if not any(entries[i].spec_token_ids for i in sampling):
@@ -388,7 +395,7 @@ class Worker:
             result: SamplerOutput = self.sampler(logits, requests)
             sampled = {r.request_id: [t] for r, t in zip(requests, result.token_ids)}
             logprobs = {r.request_id: [lp] for r, lp in zip(requests, result.logprobs) if lp is not None}
-            return StepResult(sampled, logprobs)
+            return StepResult(sampled, logprobs, prompt_logprobs)
         # a verify step: the rows of each request's next token and of its drafts
         drafts = [entries[i].spec_token_ids for i in sampling]
         last = ends[sampling].tolist()
@@ -397,7 +404,42 @@ class Worker:
         token_lists, logprob_lists = self.sampler.verify(logits, requests, drafts)
         sampled = {r.request_id: ts for r, ts in zip(requests, token_lists)}
         logprobs = {r.request_id: lps for r, lps in zip(requests, logprob_lists) if r.params.logprobs is not None}
-        return StepResult(sampled, logprobs)
+        return StepResult(sampled, logprobs, prompt_logprobs)
+
+    def _prompt_logprobs(self, entries: Sequence[Any], hidden: torch.Tensor,
+                         layout: BatchLayout) -> dict[str, list[tuple[int, Any]]]:
+        """Logprobs of the prompt tokens this step's prefill rows predict, for the requests
+        that ask for them: the row at position p scores prompt token p + 1. Logits are made
+        PROMPT_LOGPROBS_SLICE rows at a time, so a long chunk never holds a chunk x vocab
+        tensor; positions recorded before (a recompute after preemption) are skipped."""
+        out: dict[str, list[tuple[int, Any]]] = {}
+        starts = layout.query_start_loc_cpu.tolist()
+        for i, e in enumerate(entries):
+            req = e.request
+            if req.prompt_logprobs is None:
+                continue
+            first = max(e.num_computed_tokens, len(req.prompt_logprobs) - 1)  # positions scored
+            last = min(e.num_computed_tokens + e.num_new_tokens, req.num_prompt_tokens - 1)
+            if first >= last:
+                continue
+            k = req.params.prompt_logprobs
+            entries_out: list[tuple[int, Any]] = []
+            for lo in range(first, last, PROMPT_LOGPROBS_SLICE):
+                hi = min(last, lo + PROMPT_LOGPROBS_SLICE)
+                rows = torch.arange(lo, hi, device=self.device) - e.num_computed_tokens + starts[i]
+                logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
+                targets = req.prompt_token_ids[lo + 1:hi + 1]
+                target_t = torch.tensor(targets, device=self.device)
+                chosen = logprobs.gather(1, target_t[:, None]).squeeze(1)
+                ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+                top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+                chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
+                ids_l = top_ids.tolist() if k else [[] for _ in targets]
+                vals_l = top_vals.tolist() if k else [[] for _ in targets]
+                entries_out.extend((t, (c, r, ti, tv)) for t, c, r, ti, tv in
+                                   zip(targets, chosen_l, ranks_l, ids_l, vals_l))
+            out[req.request_id] = entries_out
+        return out
 
     @torch.inference_mode()
     def propose(self, appended: list[tuple[Request, list[int]]], block_ids: list[Sequence[int]],

@@ -121,10 +121,6 @@ def read_chat_request(state: ServerState, fields: Fields) -> ChatRequest:
     check_messages(raw_messages, state.llm_engine.max_model_len)
     messages = parse_messages(raw_messages)
     fields.reject_unsupported(REFUSED_CHAT_FIELDS)
-    response_format = fields.get("response_format", "object")
-    if response_format and response_format.get("type", "text") != "text":
-        raise APIError("'response_format' other than text is not supported yet (no structured outputs)",
-                       param="response_format", code="unsupported")
     add_generation_prompt = fields.get("add_generation_prompt", "bool", True)
     continue_final = fields.get("continue_final_message", "bool", False)
     if add_generation_prompt and continue_final:

@@ -20,7 +20,7 @@ CHI2_CRITICAL = 20.52
 
 
 def req(rid="r", **params) -> Request:
-    return Request(rid, [2, 3], SamplingParams(**params), eos_token_id=1)
+    return Request(rid, [2, 3], SamplingParams(**params), eos_token_ids=(1,))
 
 
 def test_greedy_keeps_drafts_while_they_equal_the_argmax():

@@ -12,7 +12,7 @@ from pagedllm.core.sampler import CANDIDATES, CHUNK, Sampler, _candidates, _inve
 def reqs(*params, outputs=()):
     out = []
     for i, p in enumerate(params):
-        r = Request(str(i), [3], p, eos_token_id=0)
+        r = Request(str(i), [3], p, eos_token_ids=(0,))
         for t in outputs:
             r.append_token(t)
         out.append(r)

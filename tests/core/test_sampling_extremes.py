@@ -30,7 +30,7 @@ def draw(params: SamplingParams, logits: list[float], seen: tuple[int, ...] = ()
     """Token counts of ROWS draws of one logits row; `seen` tokens are in each request's output."""
     requests = []
     for i in range(ROWS):
-        req = Request(str(i), [3], params, eos_token_id=EOS)
+        req = Request(str(i), [3], params, eos_token_ids=(EOS,))
         for token in seen:
             req.append_token(token)
         requests.append(req)

@@ -11,6 +11,9 @@ One module per plugin kind; every name is importable from here:
 - `model`: model architectures (`CausalLM`, `KVCacheSpec`, `ModelContext`) and
   checkpoint formats (`CheckpointFormat`: a file type such as GGUF that carries config,
   tokenizer and weights together);
+- `logits`: per-request logits processors (`LogitsProcessorFactory` -> `LogitsProcessor`,
+  the bitmask they fill: structured outputs and the like);
+- `tools`: tool-call parsers (`ToolParser` -> `ParsedTools` of `ToolCall`s), text only;
 - `runtime`: implementations of the layer ops (`OpImpl`, see `pagedllm.ops`) and graph
   runners (`GraphRunner`: capture a step's forward once per shape, replay it after).
 
@@ -22,6 +25,8 @@ from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, MoEMeth
 from pagedllm.core.contracts.spec import CORE_KEYS as SPEC_CORE_KEYS, DraftModel, ProposalBatch, ProposerContext, SpecDecodeConfig, SpecProposer, TargetStep
 from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat
 from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
+from pagedllm.core.contracts.logits import LogitsProcessor, LogitsProcessorContext, LogitsProcessorFactory, bitmask_words, pack_bitmask, unpack_bitmask
+from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser
 
 __all__ = [
     "AttentionBackend",
@@ -38,6 +43,15 @@ __all__ = [
     "KVCacheSpec",
     "KV_CACHE_TORCH_DTYPES",
     "LinearMethod",
+    "LogitsProcessor",
+    "LogitsProcessorContext",
+    "LogitsProcessorFactory",
+    "ParsedTools",
+    "ToolCall",
+    "ToolParser",
+    "bitmask_words",
+    "pack_bitmask",
+    "unpack_bitmask",
     "ModelContext",
     "MoEMethod",
     "OpImpl",
