@@ -17,7 +17,6 @@ from starlette.responses import Response
 
 from pagedllm.core.request import CompletionOutput, RequestOutput, SamplingParams
 from pagedllm.server.body import off_loop, read_json
-from pagedllm.server.errors import APIError
 from pagedllm.server.protocol import (
     MAX_LOGPROBS,
     Fields,
@@ -59,6 +58,8 @@ class CompletionRequest(NamedTuple):
     params: list[SamplingParams]
     echoes: list[str]  # per prompt: its text when `echo`, else ""
     num_logprobs: int | None
+    echo_logprobs: bool  # `echo` with `logprobs`: the prompt's tokens lead the logprobs
+    prompt_logprobs: int | None  # vLLM's prompt_logprobs field: a per-choice list
     stream: bool
     include_usage: bool
 
@@ -72,58 +73,106 @@ def read_completion_request(state: ServerState, fields: Fields) -> CompletionReq
     fields.reject_unsupported({"suffix": "insertion is not built"})
     echo = fields.get("echo", "bool", False)
     num_logprobs = fields.int_in("logprobs", 0, MAX_LOGPROBS)
-    if echo and num_logprobs is not None:
-        raise APIError("'echo' with 'logprobs' needs prompt logprobs, which are not supported yet",
-                       param="echo", code="unsupported")
     stream = fields.get("stream", "bool", False)
     include_usage = stream_options(fields, stream)
     max_tokens = fields.get("max_tokens", "int", 16)
     values = {**sampling_fields(fields), "logprobs": num_logprobs}
+    if echo and num_logprobs is not None:  # the echoed prompt's tokens carry logprobs too
+        values["prompt_logprobs"] = max(values.get("prompt_logprobs") or 0, num_logprobs)
     fields.get("user", "str")  # accepted, unused
     fields.log_unknown("/v1/completions")
     tokenizer = state.llm_engine.tokenizer
     prompts = encode_prompt(tokenizer, prompt, state.llm_engine.max_model_len)
     params = prepare(state.llm_engine, prompts, values, max_tokens, "max_tokens", "prompt")
     echoes = [(text if text is not None else tokenizer.decode(ids)) if echo else "" for text, ids in prompts]
-    return CompletionRequest(model, prompts, params, echoes, num_logprobs, stream, include_usage)
+    return CompletionRequest(model, prompts, params, echoes, num_logprobs, echo and num_logprobs is not None,
+                             fields.data.get("prompt_logprobs"), stream, include_usage)
 
 
 async def create_completion(request: Request) -> Response:
     """One or more prompts, `n` choices each; whole or streamed (see `_chunks`)."""
     state = state_of(request)
     fields = Fields(await read_json(request, state.settings.max_request_body_bytes))
-    model, prompts, params, echoes, num_logprobs, stream, include_usage = \
-        await off_loop(read_completion_request, state, fields)
+    req = await off_loop(read_completion_request, state, fields)
+    model, prompts, params, stream = req.model, req.prompts, req.params, req.stream
 
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = generate_all(state.engine, state.metrics, request_id, prompts, params)
     head = {"id": request_id, "object": "text_completion", "created": int(time.time()), "model": model}
     n = params[0].n
     return await respond(request, streams, stream,
-                         chunks=lambda outputs: _chunks(outputs, head, n, echoes, num_logprobs, include_usage),
-                         answer=lambda finals: _answer(finals, head, n, echoes, num_logprobs))
+                         chunks=lambda outputs: _chunks(outputs, head, n, req),
+                         answer=lambda finals: _answer(finals, head, n, req))
 
 
-def _answer(finals: list[RequestOutput], head: dict[str, Any], n: int, echoes: list[str],
-            num_logprobs: int | None) -> dict[str, Any]:
+def echo_logprobs(final: RequestOutput, k: int) -> dict[str, Any]:
+    """The logprobs object of an echoed prompt: its tokens, the first with no logprob
+    (nothing predicts it), as OpenAI's echo + logprobs reports them."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    offset = 0
+    for token_id, record in zip(final.prompt_token_ids, final.prompt_logprobs or []):
+        if record is None:
+            text, logprob, top = _decoded(final, token_id), None, None
+        else:
+            chosen = record[token_id]
+            text, logprob = chosen.decoded_token or "", clamp_logprob(chosen.logprob)
+            top = {lp.decoded_token or "": clamp_logprob(lp.logprob) for _, lp in top_entries(record, k)}
+            top.setdefault(text, logprob)
+        tokens.append(text)
+        token_logprobs.append(logprob)
+        tops.append(top)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _decoded(final: RequestOutput, token_id: int) -> str:
+    for record in final.prompt_logprobs or []:
+        if record and token_id in record:
+            return record[token_id].decoded_token or ""
+    return ""
+
+
+def prompt_logprobs_json(final: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
+    {token id: {"logprob", "rank", "decoded_token"}}."""
+    return [None if record is None else
+            {str(tid): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in record.items()}
+            for record in final.prompt_logprobs or []]
+
+
+def _choice_logprobs(final: RequestOutput, c: CompletionOutput, req: CompletionRequest, i: int) -> dict[str, Any]:
+    """A whole choice's logprobs, led by the echoed prompt's when `echo` is set."""
+    ours = completion_logprobs(c, 0, req.num_logprobs or 0, len(req.echoes[i]))
+    if not req.echo_logprobs:
+        return ours
+    lead = echo_logprobs(final, req.num_logprobs or 0)
+    return {key: lead[key] + ours[key] for key in ours}
+
+
+def _answer(finals: list[RequestOutput], head: dict[str, Any], n: int, req: CompletionRequest) -> dict[str, Any]:
     """The whole text_completion object: choice `i * n + j` is choice j of prompt i."""
     choices = []
     for i, final in enumerate(finals):
         for c in final.outputs:
-            choices.append({
-                "index": i * n + c.index, "text": echoes[i] + c.text,
-                "logprobs": None if num_logprobs is None else
-                completion_logprobs(c, 0, num_logprobs, len(echoes[i])),
-                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            choice = {
+                "index": i * n + c.index, "text": req.echoes[i] + c.text,
+                "logprobs": None if req.num_logprobs is None else _choice_logprobs(final, c, req, i),
+                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(final)
+            choices.append(choice)
     return {**head, "choices": choices, "usage": usage(finals)}
 
 
 async def _chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any], n: int,
-                  echoes: list[str], num_logprobs: int | None, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
+                  req: CompletionRequest) -> AsyncIterator[dict[str, Any]]:
     """Stream chunks: text deltas per choice, a finish chunk per choice, usage.
 
     `text_offset` counts the token texts sent so far, as `_answer` does, not the text: with
     stop strings the engine holds the text's tail back, so the two differ mid-stream."""
+    echoes, num_logprobs, include_usage = req.echoes, req.num_logprobs, req.include_usage
     sent_text: dict[int, int] = {}
     sent_tokens: dict[int, int] = {}
     next_offset: dict[int, int] = {}  # text_offset of each choice's next token
@@ -147,11 +196,17 @@ async def _chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[
                 offset = next_offset.get(index, len(echoes[prompt_index]))
                 logprobs = completion_logprobs(c, start, num_logprobs, offset)
                 next_offset[index] = offset + sum(len(token) for token in logprobs["tokens"])
+                if first and req.echo_logprobs:
+                    lead = echo_logprobs(out, num_logprobs)
+                    logprobs = {key: lead[key] + logprobs[key] for key in logprobs}
             sent_text[index] = len(c.text)
             sent_tokens[index] = len(c.token_ids)
             if c.finish_reason:
                 done.add(index)
-            yield {**head, "choices": [{"index": index, "text": delta, "logprobs": logprobs,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], **extra}
+            choice = {"index": index, "text": delta, "logprobs": logprobs,
+                      "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            if first and req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(out)
+            yield {**head, "choices": [choice], **extra}
     if include_usage:
         yield {**head, "choices": [], "usage": usage([finals[i] for i in sorted(finals)])}

@@ -22,7 +22,7 @@ import re
 from typing import Any
 
 from pagedllm.core.engine import LLMEngine
-from pagedllm.core.request import Logprob, RequestOutput, SamplingParams
+from pagedllm.core.request import Logprob, RequestOutput, SamplingParams, StructuredOutputsParams
 from pagedllm.server.body import strings
 from pagedllm.server.errors import APIError
 
@@ -39,6 +39,15 @@ MAX_STOP_TOKEN_IDS = 256  # each generated token is checked against them
 MAX_PROMPTS = 256  # prompts in one /v1/completions request: an engine request each
 MAX_CHOICES = 256  # prompts x n: the sequences one request adds to the batch
 MAX_MESSAGES = 4096  # chat messages, each rendered by the template
+MAX_LOGIT_BIAS = 1024  # logit_bias entries (OpenAI allows 300)
+MAX_BAD_WORDS = 256  # bad_words: each is matched against the history at every step
+MAX_ALLOWED_TOKEN_IDS = 1 << 20
+# vLLM's removed request fields for structured outputs -> the key of `structured_outputs` now used
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
+GUIDED_OPTIONS = {"guided_whitespace_pattern": "whitespace_pattern"}
+GUIDED_IGNORED = ("guided_decoding_backend",)  # per-request backends: chosen at start-up now
+_warned: set[str] = set()
 # Text longer than this many characters per token of the context cannot be a prompt that
 # fits it (tokens average 3-5 characters), so it is refused before it is tokenized. The
 # same bound caps the token ids /detokenize decodes.
@@ -171,12 +180,6 @@ def sampling_fields(fields: Fields) -> dict[str, Any]:
     server's limits on `n` and on the number and length of stop strings and stop token ids.
     The model's ranges (stop token ids in the vocabulary) are the engine's `validate_params`,
     asked by `prepare` before a stream's 200 goes out."""
-    fields.reject_unsupported({
-        "logit_bias": "no logits processor for it",
-        "guided_json": "structured outputs are not built", "guided_regex": "structured outputs are not built",
-        "guided_choice": "structured outputs are not built", "guided_grammar": "structured outputs are not built",
-        "prompt_logprobs": "prompt logprobs are not computed",
-    })
     seed = fields.get("seed", "int")
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise APIError(f"'seed' must be between 0 and {MAX_SEED}, got {seed}", param="seed", code="invalid_value")
@@ -193,7 +196,14 @@ def sampling_fields(fields: Fields) -> dict[str, Any]:
     if best_of is not None and best_of != n:
         raise APIError(f"'best_of' other than n is not supported yet (got best_of={best_of}, n={n})",
                        param="best_of", code="unsupported")
+    structured, param = structured_outputs(fields)
     return dict(
+        structured_outputs=structured,
+        _param_names={"structured_outputs": param},
+        logit_bias=logit_bias(fields),
+        allowed_token_ids=fields.get("allowed_token_ids", "int_list"),
+        bad_words=bad_words(fields),
+        prompt_logprobs=fields.int_in("prompt_logprobs", 0, MAX_LOGPROBS),
         n=n,
         temperature=fields.get("temperature", "number", 1.0),
         top_p=fields.get("top_p", "number", 1.0),
@@ -212,12 +222,114 @@ def sampling_fields(fields: Fields) -> dict[str, Any]:
     )
 
 
+def logit_bias(fields: Fields) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}) with integer keys; the ids are checked
+    against the vocabulary by the engine (`validate_params`), the values by SamplingParams."""
+    value = fields.get("logit_bias", "object")
+    if not value:
+        return None
+    if len(value) > MAX_LOGIT_BIAS:
+        raise APIError(f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS} are allowed",
+                       param="logit_bias", code="invalid_value")
+    out: dict[int, float] = {}
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(f"'logit_bias' keys must be token ids (integers as strings), got {key!r}",
+                           param="logit_bias", code="invalid_value") from None
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise APIError(f"'logit_bias' values must be numbers, got {json.dumps(bias)[:40]} for {key!r}",
+                           param="logit_bias", code="invalid_type")
+        out[token] = float(bias)
+    return out
+
+
+def bad_words(fields: Fields) -> list[str] | None:
+    check_count(fields.data.get("bad_words"), MAX_BAD_WORDS, "bad_words", "words")
+    words = fields.get("bad_words", "str_or_list")
+    words = [words] if isinstance(words, str) else words
+    if words and max(len(w) for w in words) > MAX_STOP_CHARS:
+        raise APIError(f"'bad_words' has a word over {MAX_STOP_CHARS} characters", param="bad_words",
+                       code="invalid_value")
+    return words or None
+
+
+def structured_outputs(fields: Fields) -> tuple[StructuredOutputsParams | None, str]:
+    """The request's output constraint and the field it came from: `structured_outputs`
+    (vLLM's), `response_format` (OpenAI's json_schema / json_object), or vLLM's removed
+    `guided_*` fields, accepted with a warning naming the current spelling (vLLM itself now
+    drops them silently and returns unconstrained text). Two of them at once is a 400."""
+    given: list[tuple[str, dict[str, Any]]] = []
+    so = fields.get("structured_outputs", "object")
+    if so:
+        given.append(("structured_outputs", dict(so)))
+    rf = fields.get("response_format", "object")
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError("'response_format' of type json_schema needs 'json_schema': {\"name\": ..., "
+                               "\"schema\": {...}}", param="response_format", code="invalid_value")
+            given.append(("response_format", {"json": spec["schema"]}))
+        elif kind == "json_object":
+            given.append(("response_format", {"json_object": True}))
+        elif kind == "structural_tag":
+            given.append(("response_format", {"structural_tag": {k: v for k, v in rf.items() if k != "type"}}))
+        elif kind != "text":
+            raise APIError(f"'response_format.type' must be text, json_object, json_schema or structural_tag, "
+                           f"got {json.dumps(kind)[:40]}", param="response_format", code="invalid_value")
+    guided: dict[str, Any] = {}
+    for name, key in {**GUIDED_FIELDS, **GUIDED_OPTIONS}.items():
+        fields.seen.add(name)
+        if fields.data.get(name) is not None:
+            _warn_once(name, f"'{name}' is vLLM's removed spelling: send 'structured_outputs': "
+                             f"{{\"{key}\": ...}} instead (honoured this time)")
+            guided[key] = fields.data[name]
+    for name in GUIDED_IGNORED:
+        fields.seen.add(name)
+        if fields.data.get(name) is not None:
+            _warn_once(name, f"'{name}' is ignored: the backend is chosen at start-up with "
+                             "--structured-outputs-config '{\"backend\": ...}'")
+    if set(guided) - set(GUIDED_OPTIONS.values()):
+        given.append((next(n for n in GUIDED_FIELDS if fields.data.get(n) is not None), guided))
+    elif guided and given:
+        given[-1][1].update(guided)
+    if not given:
+        return None, "structured_outputs"
+    if len(given) > 1:
+        names = [n for n, _ in given]
+        raise APIError(f"give one output constraint; got {' and '.join(names)}", param=names[1],
+                       code="invalid_value")
+    param, values = given[0]
+    known = set(StructuredOutputsParams.__dataclass_fields__)
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise APIError(f"'{param}' has unknown keys {unknown}; known: {', '.join(sorted(known))}", param=param,
+                       code="invalid_value")
+    try:
+        return StructuredOutputsParams(**values), param
+    except (ValueError, TypeError) as exc:
+        raise APIError(str(exc).replace("SamplingParams.structured_outputs", f"'{param}'"), param=param,
+                       code="invalid_value") from None
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        logger.warning(message)
+
+
 _PARAM_NAME = re.compile(r"SamplingParams\.(\w+)")
 
 
 def make_sampling_params(values: dict[str, Any], llm_engine: LLMEngine | None = None) -> SamplingParams:
     """SamplingParams from checked fields, checked against the engine's model when given;
-    a ValueError becomes a 400 naming the field."""
+    a ValueError becomes a 400 naming the field (as the client spelled it: `_param_names`
+    maps a SamplingParams field to the request field it came from)."""
+    values = dict(values)
+    names = values.pop("_param_names", None) or {}
     try:
         params = SamplingParams(**values)
         if llm_engine is not None:
@@ -225,7 +337,8 @@ def make_sampling_params(values: dict[str, Any], llm_engine: LLMEngine | None = 
         return params
     except ValueError as exc:
         match = _PARAM_NAME.search(str(exc))
-        raise APIError(str(exc), param=match.group(1) if match else None, code="invalid_value") from None
+        param = match.group(1) if match else None
+        raise APIError(str(exc), param=names.get(param, param), code="invalid_value") from None
 
 
 def stream_options(fields: Fields, stream: bool) -> bool:
