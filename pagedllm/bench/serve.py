@@ -47,12 +47,22 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrency", type=int, default=None, help="Most requests in flight at once.")
     parser.add_argument("--request-timeout", type=float, default=600.0, help="Seconds before a request fails.")
     parser.add_argument("--api-key", default=None, help="Bearer token for the server (default: $OPENAI_API_KEY).")
+    parser.add_argument("--extra-body", default=None, type=_json_object, metavar="JSON",
+                        help="Fields merged into every request body, e.g. '{\"structured_outputs\": {\"json\": "
+                             "{...}}}' to measure a constraint's cost beside a run without it.")
     parser.add_argument("--output-json", default=None, help="Write the results to this JSON file.")
     parser.add_argument("--plot", default=None,
                         help="Sweep --sweep-concurrency and draw latency vs throughput to this PNG "
                              "(needs matplotlib).")
     parser.add_argument("--sweep-concurrency", default="1,2,4,8,16",
                         help="Comma-separated concurrencies for --plot.")
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("--extra-body must be a JSON object")
+    return value
 
 
 def completions_url(base_url: str, endpoint: str = "/v1/completions") -> str:
@@ -100,7 +110,8 @@ async def _stream_one(client: Any, url: str, payload: dict[str, Any], prompt_len
     return timing
 
 
-def _payload(model: str, request: BenchRequest, text: str | None) -> dict[str, Any]:
+def _payload(model: str, request: BenchRequest, text: str | None,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": text if text is not None else request.prompt_token_ids,
@@ -110,6 +121,7 @@ def _payload(model: str, request: BenchRequest, text: str | None) -> dict[str, A
         "temperature": 0.0,
         "stream": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
 
 
@@ -117,7 +129,7 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
                     texts: Sequence[str | None] | None = None, request_rate: float = math.inf,
                     max_concurrency: int | None = None, seed: int = 0, request_timeout: float = 600.0,
                     endpoint: str = "/v1/completions", api_key: str | None = None,
-                    test_request: bool = True) -> dict[str, Any]:
+                    test_request: bool = True, extra_body: dict[str, Any] | None = None) -> dict[str, Any]:
     """Send `requests` (as `texts` where given, else as token ids) and measure them.
 
     A short test request goes first so a wrong URL or model name fails fast with the
@@ -134,7 +146,7 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
                                                      max_keepalive_connections=limit + 1)) as client:
         if test_request:
             probe = BenchRequest(requests[0].prompt_token_ids, min(2, requests[0].output_len))
-            result = await _stream_one(client, url, _payload(model, probe, texts[0]), probe.prompt_len)
+            result = await _stream_one(client, url, _payload(model, probe, texts[0], extra_body), probe.prompt_len)
             if not result.success:
                 raise RuntimeError(f"the test request to {url} failed: {result.error}")
         rng = random.Random(seed)
@@ -142,7 +154,7 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
 
         async def limited(req: BenchRequest, text: str | None) -> RequestTiming:
             async with semaphore:
-                return await _stream_one(client, url, _payload(model, req, text), req.prompt_len)
+                return await _stream_one(client, url, _payload(model, req, text, extra_body), req.prompt_len)
 
         tasks = []
         start = time.perf_counter()
@@ -267,7 +279,8 @@ def run_serve(args: argparse.Namespace) -> dict[str, Any]:
         _require_matplotlib()  # fail before the load, not after it
     api_key = args.api_key or os.environ.get("OPENAI_API_KEY")
     requests, texts = make_requests(args, _tokenizer_for(args))
-    common = dict(seed=args.seed, request_timeout=args.request_timeout, endpoint=args.endpoint, api_key=api_key)
+    common = dict(seed=args.seed, request_timeout=args.request_timeout, endpoint=args.endpoint, api_key=api_key,
+                  extra_body=getattr(args, "extra_body", None))
     if not args.plot:
         result = asyncio.run(benchmark(args.base_url, args.model, requests, texts, args.request_rate,
                                        args.max_concurrency, **common))

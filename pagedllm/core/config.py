@@ -195,7 +195,7 @@ class SpecConfig:
 
 STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace",
                            "disable_additional_properties", "reasoning_parser", "enable_in_reasoning",
-                           "compile_timeout_s")
+                           "compile_timeout_s", "reasoning_end")  # reasoning_end: set by the server
 
 
 @dataclass
