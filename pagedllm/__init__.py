@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING, Any
 from pagedllm.core.hookspecs import hookimpl
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "hookimpl", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput", "hookimpl",
+           "__version__"]
 
 if TYPE_CHECKING:
-    from pagedllm.core.request import CompletionOutput, RequestOutput, SamplingParams
+    from pagedllm.core.request import CompletionOutput, RequestOutput, SamplingParams, StructuredOutputsParams
     from pagedllm.llm import LLM
 
 
@@ -22,7 +23,7 @@ def __getattr__(name: str) -> Any:
         from pagedllm.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "RequestOutput", "CompletionOutput"):
+    if name in ("SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"):
         from pagedllm.core import request
 
         return getattr(request, name)
