@@ -21,6 +21,11 @@ endif
 	# suffix decoding: ArcticInference ships as source only and builds against the installed torch
 	$(PY) -m pip install -q cmake ninja nanobind==2.9.2
 	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0
+	# the chat page's browser test drives Debian's chromium (it skips, saying so, where none can be installed)
+	command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+		(apt-get install -y -q --no-install-recommends chromium >/dev/null 2>&1 || \
+		 (apt-get update -q >/dev/null && apt-get install -y -q --no-install-recommends chromium >/dev/null)); } || \
+		echo "chromium could not be installed: tests/server/test_chat_page.py will skip"
 	touch $@
 
 install: $(VENV)/.installed

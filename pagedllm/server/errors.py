@@ -104,8 +104,8 @@ async def http_exception_handler(request: Request, exc: Exception) -> Response:
     status = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", None) or "error"
     if status == 404:
-        detail = f"no route {request.method} {request.url.path}; see /v1/models, /v1/completions, " \
-                 "/v1/chat/completions"
+        detail = f"no route {request.method} {request.url.path}; see / (the chat page), /v1/models, " \
+                 "/v1/completions, /v1/chat/completions, /v1/responses"
     headers = getattr(exc, "headers", None)
     response = error_response(str(detail), status, code="not_found" if status == 404 else None)
     if headers:

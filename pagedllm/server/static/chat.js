@@ -217,8 +217,9 @@ async function send(event) {
     setStatus("Ready");
   } catch (err) {
     if (err.name === "AbortError") {
-      // Stopped by the user: keep what arrived, as part of the conversation.
-      history.push({ role: "user", content: text }, { role: "assistant", content });
+      // Stopped by the user: keep what arrived, as part of the conversation (unless "New chat"
+      // stopped it: that conversation is gone).
+      if (answer.box.isConnected) history.push({ role: "user", content: text }, { role: "assistant", content });
       answer.setMeta("stopped");
       answer.box.dataset.finish = "stopped";
       setStatus("Stopped");
