@@ -4,8 +4,10 @@ The conversation is rendered to text with the chat template (`--chat-template`, 
 the tokenizer's) and tokenized without adding special tokens again, as vLLM does; unlike
 vLLM, special-token strings inside the messages are tokenized as text, so a user cannot
 close their turn and open a system one (`--allow-special-tokens-in-content` undoes this).
-With `--reasoning-parser`, the text before `</think>` goes to `reasoning_content`,
-in whole responses and in stream deltas alike.
+With `--reasoning-parser`, the text before `</think>` goes to `reasoning_content` (and
+`reasoning`, vLLM's newer name), in whole responses and in stream deltas alike. Tool
+calling (`tools`, `tool_choice`) is `tools.py`'s: here its calls become
+`message.tool_calls` and stream deltas, read from the content part of the answer.
 """
 
 from __future__ import annotations
@@ -33,24 +35,28 @@ from pagedllm.server.protocol import (
     top_entries,
     usage,
 )
-from pagedllm.server.reasoning import ReasoningDelta
+from pagedllm.server.reasoning import DeepSeekR1ReasoningParser
 from pagedllm.server.state import ServerState, state_of
 from pagedllm.server.streaming import generate_all, respond
+from pagedllm.server.tools import ToolRequest, ToolStream, message_tool_calls, read_tool_request
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 REFUSED_CHAT_FIELDS = {
-    "tools": "tool calling is not built", "tool_choice": "tool calling is not built",
-    "functions": "tool calling is not built",
+    "functions": "the deprecated functions API; send 'tools' (and 'tool_choice')",
+    "function_call": "the deprecated functions API; send 'tool_choice' with 'tools'",
     # A template is code: one from a request could loop long enough to stall every stream.
     "chat_template": "the server's template is used; set it at start-up with --chat-template",
 }
 
 
 def parse_messages(value: Any) -> list[dict[str, Any]]:
-    """OpenAI messages -> the plain {"role", "content": str} dicts a chat template expects.
+    """OpenAI messages -> the {"role", "content": str, ...} dicts a chat template expects.
 
     Text content parts are joined with newlines (vLLM's choice); other part types
-    (images, audio) are rejected since no multimodal model is supported.
+    (images, audio) are rejected since no multimodal model is supported. An assistant
+    message may carry `tool_calls` (its content then may be null), passed on with their
+    arguments as objects, which templates need, and `reasoning_content` / `reasoning`
+    (as `reasoning_content`); a tool message needs the `tool_call_id` it answers.
     """
     if not isinstance(value, list) or not value:
         raise APIError("'messages' must be a non-empty array of messages", param="messages", code="invalid_type")
@@ -82,6 +88,18 @@ def parse_messages(value: Any) -> list[dict[str, Any]]:
         entry = {"role": role, "content": content}
         if isinstance(msg.get("name"), str):
             entry["name"] = msg["name"]
+        if role == "assistant":
+            if msg.get("tool_calls") not in (None, []):
+                entry["tool_calls"] = message_tool_calls(msg["tool_calls"], where)
+            reasoning = msg.get("reasoning_content", msg.get("reasoning"))
+            if isinstance(reasoning, str):
+                entry["reasoning_content"] = reasoning
+        elif role == "tool":
+            call_id = msg.get("tool_call_id")
+            if not isinstance(call_id, str) or not call_id:
+                raise APIError(f"'{where}.tool_call_id' must be the id of the tool call this message answers",
+                               param="messages", code="invalid_value")
+            entry["tool_call_id"] = call_id
         messages.append(entry)
     return messages
 
@@ -110,6 +128,7 @@ class ChatRequest(NamedTuple):
     k: int | None  # how many alternatives per token, if logprobs were asked for
     stream: bool
     include_usage: bool
+    tools: ToolRequest | None  # the request's tools, if it gave any
 
 
 def read_chat_request(state: ServerState, fields: Fields) -> ChatRequest:
@@ -121,6 +140,9 @@ def read_chat_request(state: ServerState, fields: Fields) -> ChatRequest:
     check_messages(raw_messages, state.llm_engine.max_model_len)
     messages = parse_messages(raw_messages)
     fields.reject_unsupported(REFUSED_CHAT_FIELDS)
+    settings = state.settings
+    tools = read_tool_request(fields, state.tool_parser, settings.enable_auto_tool_choice,
+                              settings.exclude_tools_when_tool_choice_none)
     add_generation_prompt = fields.get("add_generation_prompt", "bool", True)
     continue_final = fields.get("continue_final_message", "bool", False)
     if add_generation_prompt and continue_final:
@@ -138,52 +160,113 @@ def read_chat_request(state: ServerState, fields: Fields) -> ChatRequest:
     fields.seen.update(("max_tokens", "max_completion_tokens", "user"))
     k = (top or 0) if want_logprobs else None  # how many alternatives per token, if any
     values = {**sampling_fields(fields), "logprobs": k}
+    if tools is not None:
+        values = tools.apply(values, has_structured_outputs=bool(state.llm_engine.logits_factories))
     fields.log_unknown("/v1/chat/completions")
-    text, ids = render_chat(state, messages, add_generation_prompt, continue_final, template_kwargs)
+    text, ids = render_chat(state, messages, add_generation_prompt, continue_final, template_kwargs,
+                            tools=tools.template_tools if tools is not None else None)
     params = prepare(state.llm_engine, [(text, ids)], values, max_tokens, field, "messages")
-    return ChatRequest(model, text, ids, params, k, stream, include_usage)
+    return ChatRequest(model, text, ids, params, k, stream, include_usage, tools)
 
 
 async def create_chat_completion(request: Request) -> Response:
     """One conversation, `n` choices; whole or streamed (see `_chunks`)."""
     state = state_of(request)
     fields = Fields(await read_json(request, state.settings.max_request_body_bytes))
-    model, text, ids, params, k, stream, include_usage = await off_loop(read_chat_request, state, fields)
+    chat = await off_loop(read_chat_request, state, fields)
+    params, k = chat.params, chat.k
 
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = generate_all(state.engine, state.metrics, request_id, [(text, ids)], params)
-    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": model}
+    streams = generate_all(state.engine, state.metrics, request_id, [(chat.text, chat.ids)], params)
+    head = {"id": request_id, "object": "chat.completion", "created": int(time.time()), "model": chat.model}
     chunk_head = {**head, "object": "chat.completion.chunk"}
-    return await respond(request, streams, stream,
-                         chunks=lambda outputs: _chunks(state, outputs, chunk_head, params[0].n, k, include_usage),
-                         answer=lambda finals: _answer(state, finals, head, k))
+    return await respond(request, streams, chat.stream,
+                         chunks=lambda outputs: _chunks(state, outputs, chunk_head, params[0].n, k,
+                                                        chat.include_usage, chat.tools),
+                         answer=lambda finals: _answer(state, finals, head, k, chat.tools))
 
 
-def _answer(state: ServerState, finals: list[RequestOutput], head: dict[str, Any], k: int | None) -> dict[str, Any]:
-    """The whole chat.completion object, reasoning split off when a parser is set."""
+class ChoiceText:
+    """One choice's answer as it grows: the reasoning split off (with a reasoning parser),
+    then the tool calls read from the content (with tools), and what is new of each."""
+
+    def __init__(self, reasoning: DeepSeekR1ReasoningParser | None, tools: ToolStream | None) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+        self.sent_reasoning = 0
+        self.sent_content = 0
+        self.any_calls = False
+
+    def split(self, text: str, finished: bool) -> tuple[str, str]:
+        """(reasoning, content) of the text so far."""
+        if self.reasoning is None:
+            return "", text
+        return self.reasoning.split(text, finished)
+
+    def deltas(self, text: str, finished: bool) -> list[dict[str, Any]]:
+        """The stream deltas for what `text` adds: reasoning and content first, then one
+        delta per tool-call item (a call's header, then its argument fragments)."""
+        reasoning, content = self.split(text, finished)
+        delta: dict[str, Any] = {}
+        if len(reasoning) > self.sent_reasoning:
+            delta["reasoning_content"] = delta["reasoning"] = reasoning[self.sent_reasoning:]
+            self.sent_reasoning = len(reasoning)
+        items: list[dict[str, Any]] = []
+        if self.tools is not None:
+            new_content, items = self.tools.update(content, finished)
+        else:
+            new_content = content[self.sent_content:]
+            self.sent_content = max(self.sent_content, len(content))
+        if new_content:
+            delta["content"] = new_content
+        self.any_calls = self.any_calls or bool(items)
+        return ([delta] if delta else []) + [{"tool_calls": [item]} for item in items]
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        return self.tools.finish_reason(reason, self.any_calls) if self.tools is not None else reason
+
+    def message(self, text: str, reason: str | None) -> tuple[dict[str, Any], str | None]:
+        """A whole answer's message and finish_reason."""
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        reasoning, content = self.split(text, finished=True)
+        if self.reasoning is not None:
+            message.update(content=content or None, reasoning_content=reasoning or None, reasoning=reasoning or None)
+        if self.tools is not None:
+            message["content"], calls = self.tools.message(content)
+            if calls:
+                message["tool_calls"] = calls
+                self.any_calls = True
+        return message, self.finish_reason(reason)
+
+
+def _choice_text(state: ServerState, tools: ToolRequest | None) -> ChoiceText:
+    return ChoiceText(state.reasoning, tools.stream(state.llm_engine.tokenizer) if tools is not None else None)
+
+
+def _answer(state: ServerState, finals: list[RequestOutput], head: dict[str, Any], k: int | None,
+            tools: ToolRequest | None) -> dict[str, Any]:
+    """The whole chat.completion object: reasoning split off and tool calls read when set."""
     choices = []
     for c in finals[0].outputs:
-        message: dict[str, Any] = {"role": "assistant", "content": c.text}
-        if state.reasoning is not None:
-            reasoning, content = state.reasoning.split(c.text, finished=True)
-            message.update(content=content or None, reasoning_content=reasoning or None)
+        message, finish_reason = _choice_text(state, tools).message(c.text, c.finish_reason)
         choices.append({"index": c.index, "message": message,
                         "logprobs": None if k is None else chat_logprobs(c, 0, k),
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                        "finish_reason": finish_reason, "stop_reason": c.stop_reason})
     return {**head, "choices": choices, "usage": usage(finals)}
 
 
 async def _chunks(state: ServerState, outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],
-                  n: int, k: int | None, include_usage: bool) -> AsyncIterator[dict[str, Any]]:
-    """Stream chunks: a role chunk per choice, content (and reasoning) deltas, finish, usage."""
+                  n: int, k: int | None, include_usage: bool,
+                  tools: ToolRequest | None) -> AsyncIterator[dict[str, Any]]:
+    """Stream chunks: a role chunk per choice, content, reasoning and tool-call deltas,
+    finish, usage. Logprobs ride on the first chunk of an output, finish_reason on its last."""
     extra = {"usage": None} if include_usage else {}
     for index in range(n):
         yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                     "logprobs": None, "finish_reason": None}], **extra}
-    sent_text = [0] * n
     sent_tokens = [0] * n
     done = [False] * n
-    splitters = [ReasoningDelta(state.reasoning) for _ in range(n)] if state.reasoning is not None else None
+    texts = [_choice_text(state, tools) for _ in range(n)]
     final: RequestOutput | None = None
     async for _, out in outputs:
         final = out
@@ -192,21 +275,18 @@ async def _chunks(state: ServerState, outputs: AsyncIterator[tuple[int, RequestO
             if done[i]:
                 continue
             finished = c.finish_reason is not None
-            delta: dict[str, Any] = {}
-            if splitters is not None:
-                reasoning, content = splitters[i].update(c.text, finished)
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if content:
-                    delta["content"] = content
-            elif len(c.text) > sent_text[i]:
-                delta["content"] = c.text[sent_text[i]:]
+            deltas = texts[i].deltas(c.text, finished)
             new_tokens = len(c.token_ids) > sent_tokens[i]
-            if not delta and not finished and not (k is not None and new_tokens):
+            if not deltas and not finished and not (k is not None and new_tokens):
                 continue
             logprobs = chat_logprobs(c, sent_tokens[i], k) if k is not None else None
-            sent_text[i], sent_tokens[i], done[i] = len(c.text), len(c.token_ids), finished
-            yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], **extra}
+            sent_tokens[i], done[i] = len(c.token_ids), finished
+            deltas = deltas or [{}]
+            for j, delta in enumerate(deltas):
+                last = j == len(deltas) - 1
+                yield {**head, "choices": [{"index": i, "delta": delta, "logprobs": logprobs if j == 0 else None,
+                                            "finish_reason": texts[i].finish_reason(c.finish_reason) if last
+                                            else None,
+                                            "stop_reason": c.stop_reason if last else None}], **extra}
     if include_usage and final is not None:
         yield {**head, "choices": [], "usage": usage([final])}

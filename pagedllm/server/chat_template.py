@@ -57,7 +57,8 @@ class ContentMarker:
             self._marked = re.compile("\ue000" + nonce + r":(\d+)\ue001")
 
     def mark(self, value: Any) -> Any:
-        """`value` with special-token strings marked, in strings, list items and dict values."""
+        """`value` with special-token strings marked, in strings, list items, dict keys and
+        values (tool schemas and call arguments put client text in keys too)."""
         if not self.specials:
             return value
         if isinstance(value, str):
@@ -65,7 +66,7 @@ class ContentMarker:
         if isinstance(value, list):
             return [self.mark(v) for v in value]
         if isinstance(value, dict):
-            return {k: self.mark(v) for k, v in value.items()}
+            return {self.mark(k): self.mark(v) for k, v in value.items()}
         return value
 
     def _mark_one(self, match: re.Match[str]) -> str:
@@ -135,11 +136,15 @@ def text_backend(tokenizer: Any) -> Any | None:
 
 
 def render_chat(state: ServerState, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+                continue_final_message: bool = False, kwargs: dict[str, Any] | None = None,
+                tools: list[dict[str, Any]] | None = None) -> tuple[str, list[int]]:
     """The conversation as prompt text and token ids; 400 when the template cannot render it.
 
-    Special-token strings in the messages and `chat_template_kwargs` are tokenized as text
-    (see `ContentMarker`) unless the server runs with `--allow-special-tokens-in-content`.
+    `tools` (OpenAI's {"type": "function", "function": {...}} dicts) reach the template as
+    its `tools` variable, as transformers' `apply_chat_template(tools=...)` passes them.
+    Special-token strings in the messages, the tools and `chat_template_kwargs` are
+    tokenized as text (see `ContentMarker`) unless the server runs with
+    `--allow-special-tokens-in-content`.
     """
     tokenizer = state.llm_engine.tokenizer
     template = state.chat_template
@@ -147,11 +152,14 @@ def render_chat(state: ServerState, messages: list[dict[str, Any]], add_generati
         raise APIError("this model has no chat template; start the server with --chat-template FILE "
                        "(or use /v1/completions)", param="messages", code="no_chat_template")
     marker = ContentMarker(tokenizer, enabled=not state.settings.allow_special_tokens_in_content)
+    kwargs = dict(kwargs or {})
+    if tools is not None:
+        kwargs["tools"] = tools
     try:
         rendered = tokenizer.apply_chat_template(marker.mark(messages), chat_template=template, tokenize=False,
                                                  add_generation_prompt=add_generation_prompt,
                                                  continue_final_message=continue_final_message,
-                                                 **marker.mark(kwargs or {}))
+                                                 **marker.mark(kwargs))
     except Exception as exc:  # jinja errors (raise_exception in templates), bad kwargs
         raise APIError(f"the chat template could not render these messages: {exc}", param="messages",
                        code="invalid_value") from None

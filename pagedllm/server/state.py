@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from starlette.requests import Request
 
 from pagedllm.core.config import opt
+from pagedllm.core.contracts.tools import ToolParser
 from pagedllm.core.engine import AsyncLLMEngine, LLMEngine
 from pagedllm.server.metrics import ServerMetrics
 from pagedllm.server.reasoning import (
@@ -23,6 +24,7 @@ from pagedllm.server.reasoning import (
     get_reasoning_parser,
 )
 from pagedllm.server.shutdown import Lifecycle
+from pagedllm.server.tools import resolve_tool_parser
 
 
 @dataclass
@@ -44,6 +46,17 @@ class ServerSettings:
     allow_special_tokens_in_content: bool = opt(False, "Tokenize special-token strings inside chat messages "
                                                 "as control tokens, as vLLM does (default: as plain text, so a "
                                                 "user cannot forge turns such as a system message).", "server")
+    enable_auto_tool_choice: bool = opt(False, "Let the model call tools on its own (tool_choice \"auto\", the "
+                                        "default when a request gives tools); needs --tool-call-parser.", "server")
+    tool_call_parser: str | None = opt(None, "How to read tool calls in the model's output: hermes, llama3_json, "
+                                       "mistral, qwen3_xml (alias qwen3_coder), pythonic, or one from "
+                                       "--tool-parser-plugin (default: none).", "server")
+    tool_parser_plugin: str | None = opt(None, "A Python file loaded at start-up that defines more tool parsers: "
+                                         "ToolParser subclasses with a `name`, or a @hookimpl "
+                                         "pagedllm_tool_parsers() returning {name: class}.", "server")
+    exclude_tools_when_tool_choice_none: bool = opt(False, "Leave the tools out of the prompt when a request's "
+                                                    "tool_choice is \"none\" (default: they are rendered, as "
+                                                    "vLLM does).", "server")
     uvicorn_log_level: str = opt("info", "Log level of uvicorn's access and error logs.", "server",
                                  choices=["critical", "error", "warning", "info", "debug", "trace"])
     header_timeout: float = opt(10.0, "Seconds a client has to send a request's line and headers, from "
@@ -69,6 +82,9 @@ class ServerSettings:
         for name in ("stream_stall_timeout", "shutdown_timeout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, got {getattr(self, name)}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes)")
+        resolve_tool_parser(self.tool_call_parser, self.tool_parser_plugin)  # a bad name fails at start-up
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -106,18 +122,21 @@ class ServerState:
     chat_template: str | None
     reasoning: DeepSeekR1ReasoningParser | None
     created: int
+    tool_parser: type[ToolParser] | None = None  # --tool-call-parser's class
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
 
     @classmethod
     def create(cls, engine: AsyncLLMEngine, settings: ServerSettings) -> ServerState:
-        """The state of an app serving `engine`; reads the chat template file now, so a bad
-        `--chat-template` fails at start-up rather than on the first chat request."""
+        """The state of an app serving `engine`; reads the chat template file (and the tool
+        parser plugin) now, so a bad `--chat-template` fails at start-up rather than on the
+        first chat request."""
         names = served_model_names(engine)
         return cls(engine=engine, settings=settings, model_names=names,
                    metrics=ServerMetrics(engine, names[0]),
                    chat_template=load_chat_template(settings.chat_template),
                    reasoning=get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser
-                   else None, created=int(time.time()))
+                   else None, created=int(time.time()),
+                   tool_parser=resolve_tool_parser(settings.tool_call_parser, settings.tool_parser_plugin))
 
     @property
     def llm_engine(self) -> LLMEngine:

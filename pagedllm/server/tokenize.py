@@ -27,6 +27,7 @@ from pagedllm.server.protocol import (
     check_text_len,
 )
 from pagedllm.server.state import ServerState, state_of
+from pagedllm.server.tools import read_tools
 
 
 async def tokenize(request: Request) -> Response:
@@ -45,10 +46,12 @@ def tokenize_fields(state: ServerState, fields: Fields) -> Response:
         fields.reject_unsupported(REFUSED_CHAT_FIELDS)
         messages = fields.get("messages", "any")
         check_messages(messages, max_model_len)
+        tools = read_tools(fields.data["tools"])[1] if fields.data.get("tools") else None
+        fields.seen.add("tools")
         _, ids = render_chat(state, parse_messages(messages),
                              fields.get("add_generation_prompt", "bool", True),
                              fields.get("continue_final_message", "bool", False),
-                             fields.get("chat_template_kwargs", "object"))
+                             fields.get("chat_template_kwargs", "object"), tools=tools)
         if fields.get("add_special_tokens", "bool", False):
             # what the tokenizer adds around a text (Llama: BOS), added to the ids as they are:
             # re-encoding the decoded text would turn special-token strings that came from

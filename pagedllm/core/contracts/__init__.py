@@ -26,7 +26,7 @@ from pagedllm.core.contracts.spec import CORE_KEYS as SPEC_CORE_KEYS, DraftModel
 from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat
 from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
 from pagedllm.core.contracts.logits import LogitsProcessor, LogitsProcessorContext, LogitsProcessorFactory, bitmask_words, pack_bitmask, unpack_bitmask
-from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser
+from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser, ToolSpec
 
 __all__ = [
     "AttentionBackend",
@@ -49,6 +49,7 @@ __all__ = [
     "ParsedTools",
     "ToolCall",
     "ToolParser",
+    "ToolSpec",
     "bitmask_words",
     "pack_bitmask",
     "unpack_bitmask",
