@@ -336,9 +336,12 @@ def make_sampling_params(values: dict[str, Any], llm_engine: LLMEngine | None = 
             llm_engine.validate_params(params)
         return params
     except ValueError as exc:
-        match = _PARAM_NAME.search(str(exc))
+        message = str(exc)
+        match = _PARAM_NAME.search(message)
         param = match.group(1) if match else None
-        raise APIError(str(exc), param=names.get(param, param), code="invalid_value") from None
+        if names.get(param, param) != param:  # say it as the client spelled it
+            message = message.replace(f"SamplingParams.{param}", f"'{names[param]}'")
+        raise APIError(message, param=names.get(param, param), code="invalid_value") from None
 
 
 def stream_options(fields: Fields, stream: bool) -> bool:
