@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import torch
 
-from pagedllm.core.contracts.logits import bitmask_words, unpack_bitmask
+from pagedllm.core.contracts.logits import bitmask_bias, bitmask_empty, bitmask_words, pack_bitmask
 from pagedllm.core.request import Request, SamplingParams
 
 
@@ -433,13 +433,16 @@ def _apply_processors(logits: torch.Tensor, rows: list[Any], drafts: Sequence[Se
     for mask in masks[1:]:
         bitmask &= mask
     index = torch.tensor(touched)
-    allowed = unpack_bitmask(bitmask[index], vocab)
-    for i, row in enumerate(touched):
-        if not bool(allowed[i].any()):
-            eos = [t for t in rows[row].eos_token_ids if t < vocab]
-            allowed[i, eos] = True
-    index = index.to(logits.device)
-    logits[index] = logits[index].masked_fill(~allowed.to(logits.device), float("-inf"))
+    rows_mask = bitmask[index]
+    for i in bitmask_empty(rows_mask, vocab).nonzero().flatten().tolist():
+        eos = [t for t in rows[touched[i]].eos_token_ids if t < vocab]
+        rows_mask[i] = pack_bitmask(torch.isin(torch.arange(vocab), torch.tensor(eos, dtype=torch.long)))
+    bias = bitmask_bias(rows_mask, vocab).to(logits.device, logits.dtype)
+    if len(touched) == logits.shape[0]:
+        logits += bias
+    else:
+        index = index.to(logits.device)
+        logits[index] += bias
 
 
 def _first_rows(rows: list[Any], drafts: Sequence[Sequence[int]]) -> list[tuple[Any, Sequence[int]]]:

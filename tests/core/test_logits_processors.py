@@ -22,6 +22,8 @@ from pagedllm import LLM, SamplingParams
 from pagedllm.core.contracts import (
     LogitsProcessor,
     LogitsProcessorFactory,
+    bitmask_bias,
+    bitmask_empty,
     bitmask_words,
     pack_bitmask,
     unpack_bitmask,
@@ -36,6 +38,13 @@ def test_bitmask_round_trip():
         assert packed.dtype == torch.int32 and packed.shape == (3, bitmask_words(vocab))
         assert torch.equal(unpack_bitmask(packed, vocab), mask)
     assert bool(unpack_bitmask(torch.full((1, 2), -1, dtype=torch.int32), 64).all())
+    mask = torch.rand(4, 100, generator=g) > 0.7
+    mask[2] = False
+    packed = pack_bitmask(mask)
+    packed[2, -1] = -1 << 4  # bits past the vocabulary (100 = 3 * 32 + 4) do not count as allowed
+    bias = bitmask_bias(packed, 100)
+    assert torch.equal(bias == 0, mask) and bool(torch.isneginf(bias[~mask]).all())
+    assert bitmask_empty(packed, 100).tolist() == [False, False, True, False] or not mask[[0, 1, 3]].any(dim=1).all()
 
 
 class SetProcessor(LogitsProcessor):

@@ -25,7 +25,7 @@ from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, MoEMeth
 from pagedllm.core.contracts.spec import CORE_KEYS as SPEC_CORE_KEYS, DraftModel, ProposalBatch, ProposerContext, SpecDecodeConfig, SpecProposer, TargetStep
 from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat
 from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
-from pagedllm.core.contracts.logits import LogitsProcessor, LogitsProcessorContext, LogitsProcessorFactory, bitmask_words, pack_bitmask, unpack_bitmask
+from pagedllm.core.contracts.logits import LogitsProcessor, LogitsProcessorContext, LogitsProcessorFactory, bitmask_bias, bitmask_empty, bitmask_words, pack_bitmask, unpack_bitmask
 from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser, ToolSpec
 
 __all__ = [
@@ -50,6 +50,8 @@ __all__ = [
     "ToolCall",
     "ToolParser",
     "ToolSpec",
+    "bitmask_bias",
+    "bitmask_empty",
     "bitmask_words",
     "pack_bitmask",
     "unpack_bitmask",

@@ -25,6 +25,8 @@ outlines-core all fill it): int32 words, bit j of word w allows token 32 * w + j
 
 from __future__ import annotations
 
+import functools
+import sys
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
@@ -49,9 +51,47 @@ def pack_bitmask(allowed: torch.Tensor) -> torch.Tensor:
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 bitmask words [..., words] -> bool mask [..., vocab_size] (True: allowed)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask[..., :, None] >> shifts) & 1
-    return bits.flatten(-2)[..., :vocab_size].bool()
+    return _expand_bytes(bitmask, _byte_bits(), vocab_size)
+
+
+def bitmask_bias(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """int32 bitmask words [rows, words] -> float32 [rows, vocab_size]: 0 where allowed,
+    -inf where not; added to logits it masks them (an add took a fifth of the time of
+    masked_fill / where with the bool mask: 32 x 49152 rows, 2 CPU threads)."""
+    return _expand_bytes(bitmask, _byte_bias(), vocab_size)
+
+
+def _expand_bytes(bitmask: torch.Tensor, table: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Each byte of the words looked up in a [256, 8] table of its bits (little-endian
+    words: byte k holds bits 8k..8k+7, so tokens come out in order)."""
+    words = bitmask.contiguous()
+    if sys.byteorder != "little":
+        shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+        bits = ((words[..., :, None] >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]
+        return bits if table.dtype == torch.bool else torch.where(bits, 0.0, float("-inf"))
+    table = table.to(words.device)
+    flat = words.view(torch.uint8).flatten().int()
+    return table.index_select(0, flat).view(*words.shape[:-1], -1)[..., :vocab_size]
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_bits() -> torch.Tensor:
+    return ((torch.arange(256)[:, None] >> torch.arange(8)) & 1).bool()
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_bias() -> torch.Tensor:
+    return torch.where(_byte_bits(), 0.0, float("-inf")).to(torch.float32)
+
+
+def bitmask_empty(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Per row, whether no token in [0, vocab_size) is allowed."""
+    words = bitmask_words(vocab_size)
+    live = bitmask[..., :words].clone()
+    tail = vocab_size - 32 * (words - 1)
+    if tail < 32:
+        live[..., -1] &= (1 << tail) - 1
+    return (live == 0).all(dim=-1)
 
 
 @dataclass
