@@ -30,6 +30,7 @@ from pagedllm.server.protocol import (
     check_model,
     clamp_logprob,
     prepare,
+    prompt_logprobs_json,
     sampling_fields,
     stream_options,
     top_entries,
@@ -252,7 +253,8 @@ def _answer(state: ServerState, finals: list[RequestOutput], head: dict[str, Any
         choices.append({"index": c.index, "message": message,
                         "logprobs": None if k is None else chat_logprobs(c, 0, k),
                         "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-    return {**head, "choices": choices, "usage": usage(finals)}
+    extra = {"prompt_logprobs": prompt_logprobs_json(finals[0])} if finals[0].prompt_logprobs is not None else {}
+    return {**head, "choices": choices, "usage": usage(finals), **extra}
 
 
 async def _chunks(state: ServerState, outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[str, Any],

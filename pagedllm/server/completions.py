@@ -24,6 +24,7 @@ from pagedllm.server.protocol import (
     clamp_logprob,
     encode_prompt,
     prepare,
+    prompt_logprobs_json,
     sampling_fields,
     stream_options,
     top_entries,
@@ -131,15 +132,6 @@ def _decoded(final: RequestOutput, token_id: int) -> str:
         if record and token_id in record:
             return record[token_id].decoded_token or ""
     return ""
-
-
-def prompt_logprobs_json(final: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
-    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
-    {token id: {"logprob", "rank", "decoded_token"}}."""
-    return [None if record is None else
-            {str(tid): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for tid, lp in record.items()}
-            for record in final.prompt_logprobs or []]
 
 
 def _choice_logprobs(final: RequestOutput, c: CompletionOutput, req: CompletionRequest, i: int) -> dict[str, Any]:

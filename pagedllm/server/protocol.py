@@ -373,6 +373,15 @@ def clamp_logprob(value: float) -> float:
     return value if math.isfinite(value) else -9999.0
 
 
+def prompt_logprobs_json(final: RequestOutput) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else
+    {token id: {"logprob", "rank", "decoded_token"}}."""
+    return [None if record is None else
+            {str(tid): {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in record.items()}
+            for record in final.prompt_logprobs or []]
+
+
 def top_entries(record: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
     """The k most likely tokens of one position's logprob record, best first."""
     ranked = sorted(((tid, lp) for tid, lp in record.items() if lp.rank is not None and lp.rank <= k),

@@ -78,3 +78,12 @@ def test_guided_spellings_are_honoured_with_a_warning(server, caplog) -> None:
         "type": "object"}}}})
     params, param = protocol.structured_outputs(fields)
     assert params.json == {"type": "object"} and param == "response_format"
+
+
+def test_chat_prompt_logprobs(server) -> None:
+    with server.client() as http:
+        body = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "max_tokens": 2, "prompt_logprobs": 0}).json()
+    records = body["prompt_logprobs"]
+    assert records[0] is None and len(records) > 3
+    assert all(len(r) == 1 and next(iter(r.values()))["rank"] >= 1 for r in records[1:])
