@@ -32,16 +32,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedllm.core.contracts.tools import (
-    JSONMalformed,
-    ParsedTools,
-    ToolCall,
-    ToolParser,
-    ToolSpec,
-    scan_array,
-    scan_object,
-    skip_ws,
-)
+from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser, ToolSpec
+from pagedllm.core.json_scan import JSONMalformed, scan_array, scan_object, skip_ws
 from pagedllm.core.plugins import get_registry
 from pagedllm.core.request import StructuredOutputsParams
 from pagedllm.server.errors import APIError

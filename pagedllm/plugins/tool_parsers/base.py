@@ -22,15 +22,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 
-from pagedllm.core.contracts.tools import (
-    JSONField,
-    JSONMalformed,
-    ParsedTools,
-    ToolCall,
-    ToolParser,
-    scan_object,
-    skip_ws,
-)
+from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser
+from pagedllm.core.json_scan import JSONField, JSONMalformed, scan_object, skip_ws
 
 
 class _Held:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from pagedllm.core.contracts.tools import JSONMalformed, scan_object, skip_ws
+from pagedllm.core.json_scan import JSONMalformed, scan_object, skip_ws
 from pagedllm.plugins.tool_parsers.base import HELD, PENDING, Segment, SegmentParser, json_call
 
 

@@ -16,7 +16,8 @@ import secrets
 import string
 from typing import Iterator
 
-from pagedllm.core.contracts.tools import JSONMalformed, ToolCall, scan_array, scan_object, skip_ws
+from pagedllm.core.contracts.tools import ToolCall
+from pagedllm.core.json_scan import JSONMalformed, scan_array, scan_object, skip_ws
 from pagedllm.plugins.tool_parsers.base import HELD, PENDING, Segment, SegmentParser, json_call, partial_suffix
 
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")

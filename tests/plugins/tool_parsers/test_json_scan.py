@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from pagedllm.core.contracts.tools import JSONIncomplete, JSONMalformed, scan_json, scan_object
+from pagedllm.core.json_scan import JSONIncomplete, JSONMalformed, scan_json, scan_object
 
 VALUES = ['{"a": [1, -2.5e+3, true, false, null], "b": {"c": "x\\"y\\u00e9"}}', "[]", "{}", '"\\n"', "0", "-0.5"]
 
