@@ -8,10 +8,10 @@ import the server: the server turns `ParsedTools` into OpenAI's message and stre
 shapes. Parsing is of the cumulative text, as the reasoning parsers do: a stream asks
 again with more text and sends what grew.
 
-Most formats carry JSON, often unfinished while a stream runs, so the JSON scanner the
-built-in parsers use is here too (`scan_json`, `scan_object`, `scan_array`): it says
-where a value ends, or that the text so far is a valid start of one (`JSONIncomplete`),
-or that it can never be (`JSONMalformed`), without decoding anything.
+Most formats carry JSON, often unfinished while a stream runs: `pagedllm.core.json_scan`
+(`scan_json`, `scan_object`, `scan_array`) says where a value ends, or that the text so
+far is a valid start of one (`JSONIncomplete`), or that it can never be (`JSONMalformed`),
+without decoding anything.
 """
 
 from __future__ import annotations
