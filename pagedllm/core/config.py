@@ -194,8 +194,9 @@ class SpecConfig:
 
 
 STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace",
-                           "disable_additional_properties", "reasoning_parser", "enable_in_reasoning",
-                           "compile_timeout_s", "reasoning_end")  # reasoning_end: set by the server
+                           "disable_additional_properties", "enable_in_reasoning", "compile_timeout_s")
+# set by `pagedllm serve` from --reasoning-parser: the text after which constraints start
+INTERNAL_STRUCTURED_KEYS = ("reasoning_end",)
 
 
 @dataclass
@@ -211,7 +212,10 @@ class StructuredOutputsConfig:
             return
         if not isinstance(value, dict):
             raise ValueError("structured_outputs_config must be a dict, e.g. {\"backend\": \"xgrammar\"}")
-        unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_KEYS))
+        unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_KEYS) - set(INTERNAL_STRUCTURED_KEYS))
+        if "reasoning_parser" in unknown:
+            raise ValueError("structured_outputs_config: give the reasoning parser as --reasoning-parser NAME "
+                             "(structured outputs then start after its end tag)")
         if unknown:
             raise ValueError(f"structured_outputs_config: unknown keys {unknown}; valid keys: "
                              f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}")
