@@ -50,3 +50,16 @@ def test_plan_caps_blocks_and_explains_shortfall():
              "quantize", "--gpu-memory-utilization"]
     positions = [msg.index(s) for s in order]
     assert positions == sorted(positions), msg
+
+
+def test_structured_outputs_config_keys_are_checked():
+    import pytest
+
+    from pagedllm.core.config import EngineConfig
+
+    assert EngineConfig.from_kwargs(structured_outputs_config={"backend": "xgrammar"}).structured.options == {
+        "backend": "xgrammar"}
+    with pytest.raises(ValueError, match="unknown keys \\['bakend'\\]"):
+        EngineConfig.from_kwargs(structured_outputs_config={"bakend": "xgrammar"})
+    with pytest.raises(ValueError, match="--reasoning-parser"):
+        EngineConfig.from_kwargs(structured_outputs_config={"reasoning_parser": "deepseek_r1"})
