@@ -497,6 +497,8 @@ class AsyncLLMEngine:
         self._stopped = True
         self._wake.set()
         self._thread.join(timeout=10)
+        for factory in self.engine.logits_factories:
+            factory.close()
 
     def _deliver(self, request_id: str, item: Any) -> None:
         self._deliver_all([(request_id, item)])
