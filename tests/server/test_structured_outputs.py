@@ -95,3 +95,14 @@ def test_a_schema_that_cannot_compile_is_a_400_and_the_server_goes_on(smol) -> N
         fine = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3})
         assert fine.status_code == 200
     smol.wait_idle()
+
+
+def test_a_feature_the_backend_lacks_is_a_400_naming_who_has_it(start_server) -> None:
+    with start_server(structured_outputs_config={"backend": "outlines"}) as live, live.client() as http:
+        out = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5,
+                                                 "structured_outputs": {"grammar": 'root ::= "yes" | "no"'}})
+        assert out.status_code == 400, out.text
+        error = out.json()["error"]
+        assert error["param"] == "structured_outputs" and "xgrammar" in error["message"], error
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3,
+                                                  "structured_outputs": {"choice": ["yes", "no"]}}).status_code == 200
