@@ -94,10 +94,11 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     except (ValueError, NotImplementedError) as exc:
         _fail(parser, exc)
     if settings.reasoning_parser:  # structured outputs constrain what follows the reasoning
-        from pagedllm.server.reasoning import get_reasoning_parser
+        from pagedllm.server.reasoning import reasoning_parser_class
 
-        config.structured.structured_outputs_config = {
-            **config.structured.options, "reasoning_end": get_reasoning_parser(settings.reasoning_parser).end_tag}
+        end_tag = reasoning_parser_class(settings.reasoning_parser).end_tag
+        if end_tag is not None:
+            config.structured.structured_outputs_config = {**config.structured.options, "reasoning_end": end_tag}
     shown = {k: v for k, v in dataclasses.asdict(settings).items() if k != "api_key"}
     log_config(config, shown)
     api_key = resolve_api_key(settings.api_key)

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
         LogitsProcessorFactory,
         OpImpl,
         QuantConfig,
+        ReasoningParser,
         SpecProposer,
         ToolParser,
     )
@@ -154,6 +155,16 @@ def pagedllm_tool_parsers() -> dict[str, type[ToolParser]]:
     Returns: {name: ToolParser subclass}. Text only (see `core/contracts/tools.py`): a
     parser never imports the server. `--tool-parser-plugin FILE` loads a Python file
     that registers more the same way (vLLM's flag).
+    """
+
+
+@hookspec
+def pagedllm_reasoning_parsers() -> dict[str, type[ReasoningParser]]:
+    """Reasoning parsers by `--reasoning-parser` name (e.g. {"qwen3": Qwen3ReasoningParser}).
+
+    Returns: {name: ReasoningParser subclass}. Text only (see `core/contracts/reasoning.py`):
+    a parser never imports the server. The server builds one per choice it answers; its
+    `end_tag` tells structured outputs where the constrained content begins.
     """
 
 

@@ -25,6 +25,7 @@ from pagedllm.core.contracts import (
     LogitsProcessorFactory,
     OpImpl,
     QuantConfig,
+    ReasoningParser,
     SpecProposer,
     ToolParser,
 )
@@ -57,6 +58,8 @@ class PluginRegistry:
             pm.hook.pagedllm_logits_processors(), "logits processor")
         self.tool_parsers: dict[str, type[ToolParser]] = self._merge(
             pm.hook.pagedllm_tool_parsers(), "tool parser")
+        self.reasoning_parsers: dict[str, type[ReasoningParser]] = self._merge(
+            pm.hook.pagedllm_reasoning_parsers(), "reasoning parser")
         self.op_impls: dict[str, list[OpImpl]] = self._merge_op_impls(pm.hook.pagedllm_op_impls())
 
     @staticmethod

@@ -4,8 +4,9 @@ The conversation is rendered to text with the chat template (`--chat-template`, 
 the tokenizer's) and tokenized without adding special tokens again, as vLLM does; unlike
 vLLM, special-token strings inside the messages are tokenized as text, so a user cannot
 close their turn and open a system one (`--allow-special-tokens-in-content` undoes this).
-With `--reasoning-parser`, the text before `</think>` goes to `reasoning_content` (and
-`reasoning`, vLLM's newer name), in whole responses and in stream deltas alike. Tool
+With `--reasoning-parser`, the reasoning the parser splits off (e.g. the text before
+`</think>`; one parser per choice) goes to `reasoning_content` (and `reasoning`, vLLM's
+newer name), in whole responses and in stream deltas alike. Tool
 calling (`tools`, `tool_choice`) is `tools.py`'s: here its calls become
 `message.tool_calls` and stream deltas, read from the content part of the answer.
 """
@@ -36,7 +37,7 @@ from pagedllm.server.protocol import (
     top_entries,
     usage,
 )
-from pagedllm.server.reasoning import DeepSeekR1ReasoningParser
+from pagedllm.server.reasoning import ReasoningParser
 from pagedllm.server.state import ServerState, state_of
 from pagedllm.server.streaming import generate_all, respond
 from pagedllm.server.tools import ToolRequest, ToolStream, message_tool_calls, read_tool_request
@@ -191,7 +192,7 @@ class ChoiceText:
     """One choice's answer as it grows: the reasoning split off (with a reasoning parser),
     then the tool calls read from the content (with tools), and what is new of each."""
 
-    def __init__(self, reasoning: DeepSeekR1ReasoningParser | None, tools: ToolStream | None) -> None:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolStream | None) -> None:
         self.reasoning = reasoning
         self.tools = tools
         self.sent_reasoning = 0
@@ -241,7 +242,9 @@ class ChoiceText:
 
 
 def _choice_text(state: ServerState, tools: ToolRequest | None) -> ChoiceText:
-    return ChoiceText(state.reasoning, tools.stream(state.llm_engine.tokenizer) if tools is not None else None)
+    tokenizer = state.llm_engine.tokenizer
+    reasoning = state.reasoning(tokenizer) if state.reasoning is not None else None
+    return ChoiceText(reasoning, tools.stream(tokenizer) if tools is not None else None)
 
 
 def _answer(state: ServerState, finals: list[RequestOutput], head: dict[str, Any], k: int | None,

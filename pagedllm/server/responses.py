@@ -32,7 +32,7 @@ from pagedllm.server.chat import parse_messages
 from pagedllm.server.chat_template import render_chat
 from pagedllm.server.errors import APIError, from_engine_error
 from pagedllm.server.protocol import Fields, check_messages, check_model, check_text_len, prepare, sampling_fields
-from pagedllm.server.reasoning import DeepSeekR1ReasoningParser, ReasoningDelta
+from pagedllm.server.reasoning import ReasoningDelta, ReasoningParser
 from pagedllm.server.state import ServerState, state_of
 from pagedllm.server.streaming import SSEResponse, generate_all, merge, respond
 
@@ -184,7 +184,9 @@ async def create_response(request: Request) -> Response:
     state = state_of(request)
     fields = Fields(await read_json(request, state.settings.max_request_body_bytes))
     req = await off_loop(read_responses_request, state, fields)
-    builder = ResponseBuilder(req.model, req.echo, state.reasoning, state.llm_engine.tokenizer)
+    tokenizer = state.llm_engine.tokenizer
+    reasoning = state.reasoning(tokenizer) if state.reasoning is not None else None  # one output: one parser
+    builder = ResponseBuilder(req.model, req.echo, reasoning, tokenizer)
     streams = generate_all(state.engine, state.metrics, builder.id, [(req.text, req.ids)], req.params)
     if req.stream:
         return SSEResponse(ResponseEvents(builder).sse(streams), stall_timeout=state.settings.stream_stall_timeout)
@@ -196,7 +198,7 @@ async def create_response(request: Request) -> Response:
 class ResponseBuilder:
     """The response object and its output items, for one request (ids fixed at creation)."""
 
-    def __init__(self, model: str, echo: dict[str, Any], reasoning: DeepSeekR1ReasoningParser | None,
+    def __init__(self, model: str, echo: dict[str, Any], reasoning: ReasoningParser | None,
                  tokenizer: Any) -> None:
         self.id = f"resp_{uuid.uuid4().hex}"
         self.item_ids = {"reasoning": f"rs_{uuid.uuid4().hex}", "message": f"msg_{uuid.uuid4().hex}"}
@@ -240,9 +242,10 @@ class ResponseBuilder:
         the model generated them, else all of them (no end tag), else an estimate."""
         if not reasoning or self.reasoning is None:
             return 0
-        if self.reasoning.end_tag not in c.text:
+        end = self.reasoning.end_tag
+        if not end or end not in c.text:
             return len(c.token_ids)
-        tag = list(self.tokenizer.encode(self.reasoning.end_tag, add_special_tokens=False))
+        tag = list(self.tokenizer.encode(end, add_special_tokens=False))
         ids = c.token_ids
         for start in range(len(ids) - len(tag) + 1):
             if ids[start:start + len(tag)] == tag:

@@ -18,11 +18,7 @@ from pagedllm.core.config import opt
 from pagedllm.core.contracts.tools import ToolParser
 from pagedllm.core.engine import AsyncLLMEngine, LLMEngine
 from pagedllm.server.metrics import ServerMetrics
-from pagedllm.server.reasoning import (
-    REASONING_PARSERS,
-    DeepSeekR1ReasoningParser,
-    get_reasoning_parser,
-)
+from pagedllm.server.reasoning import ReasoningParser, reasoning_parser_class
 from pagedllm.server.shutdown import Lifecycle
 from pagedllm.server.tools import resolve_tool_parser
 
@@ -38,8 +34,8 @@ class ServerSettings:
                               "(default: env PAGEDLLM_API_KEY or VLLM_API_KEY; none).", "server")
     chat_template: str | None = opt(None, "Chat template: a file path or an inline Jinja string "
                                     "(default: the tokenizer's).", "server")
-    reasoning_parser: str | None = opt(None, "Split <think>…</think> into reasoning_content "
-                                       "(default: off).", "server", choices=sorted(REASONING_PARSERS))
+    reasoning_parser: str | None = opt(None, "Split the model's reasoning into reasoning_content: deepseek_r1, "
+                                       "qwen3, granite, or one a plugin adds (default: off).", "server")
     enable_reasoning: bool = opt(False, "Deprecated vLLM spelling: --reasoning-parser alone enables "
                                  "reasoning.", "server")
     max_request_body_bytes: int = opt(16 << 20, "Largest request body accepted (413 beyond).", "server")
@@ -85,6 +81,8 @@ class ServerSettings:
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ValueError("--enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes)")
         resolve_tool_parser(self.tool_call_parser, self.tool_parser_plugin)  # a bad name fails at start-up
+        if self.reasoning_parser is not None:
+            reasoning_parser_class(self.reasoning_parser)  # likewise
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -120,7 +118,7 @@ class ServerState:
     model_names: list[str]
     metrics: ServerMetrics
     chat_template: str | None
-    reasoning: DeepSeekR1ReasoningParser | None
+    reasoning: type[ReasoningParser] | None  # --reasoning-parser's class: one instance per choice
     created: int
     tool_parser: type[ToolParser] | None = None  # --tool-call-parser's class
     lifecycle: Lifecycle = field(default_factory=Lifecycle)
@@ -134,7 +132,7 @@ class ServerState:
         return cls(engine=engine, settings=settings, model_names=names,
                    metrics=ServerMetrics(engine, names[0]),
                    chat_template=load_chat_template(settings.chat_template),
-                   reasoning=get_reasoning_parser(settings.reasoning_parser) if settings.reasoning_parser
+                   reasoning=reasoning_parser_class(settings.reasoning_parser) if settings.reasoning_parser
                    else None, created=int(time.time()),
                    tool_parser=resolve_tool_parser(settings.tool_call_parser, settings.tool_parser_plugin))
 

@@ -1,4 +1,4 @@
-"""The deepseek_r1 reasoning parser: whole outputs and streamed deltas."""
+"""The deepseek_r1 reasoning parser through the server's names: whole outputs and streamed deltas."""
 
 from __future__ import annotations
 
@@ -40,3 +40,27 @@ def test_streamed_deltas_add_up_whatever_the_chunking(text: str, reasoning: str,
 def test_unknown_parser_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="deepseek_r1"):
         get_reasoning_parser("qwen9")
+
+
+def test_the_server_names_are_the_plugins_classes() -> None:
+    """The server's re-export is the registry's built-in, so older imports keep working."""
+    from pagedllm.plugins.reasoning_parsers.deepseek_r1 import DeepSeekR1ReasoningParser as plugin_class
+
+    assert DeepSeekR1ReasoningParser is plugin_class
+    assert type(get_reasoning_parser("deepseek_r1")) is plugin_class
+
+
+def test_each_chat_choice_gets_its_own_parser() -> None:
+    """Parsers may keep state (qwen3 remembers content it has sent), so the server builds
+    one per choice from `--reasoning-parser`'s class, with the model's tokenizer."""
+    from types import SimpleNamespace
+
+    from pagedllm.server.chat import _choice_text
+
+    tokenizer = object()
+    state = SimpleNamespace(reasoning=get_reasoning_parser("qwen3").__class__,
+                            llm_engine=SimpleNamespace(tokenizer=tokenizer))
+    first, second = _choice_text(state, None), _choice_text(state, None)
+    assert first.reasoning is not second.reasoning and first.reasoning.tokenizer is tokenizer
+    first.deltas("a", finished=False)  # content sent: this choice can no longer re-label it
+    assert second.message("a</think>b", "stop")[0]["reasoning_content"] == "a"

@@ -14,6 +14,8 @@ One module per plugin kind; every name is importable from here:
 - `logits`: per-request logits processors (`LogitsProcessorFactory` -> `LogitsProcessor`,
   the bitmask they fill: structured outputs and the like);
 - `tools`: tool-call parsers (`ToolParser` -> `ParsedTools` of `ToolCall`s), text only;
+- `reasoning`: reasoning parsers (`ReasoningParser`: text -> (reasoning, content); the
+  stream helper `ReasoningDelta`), text only;
 - `runtime`: implementations of the layer ops (`OpImpl`, see `pagedllm.ops`) and graph
   runners (`GraphRunner`: capture a step's forward once per shape, replay it after).
 
@@ -27,6 +29,7 @@ from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, C
 from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
 from pagedllm.core.contracts.logits import LogitsProcessor, LogitsProcessorContext, LogitsProcessorFactory, bitmask_bias, bitmask_empty, bitmask_words, pack_bitmask, unpack_bitmask
 from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser, ToolSpec
+from pagedllm.core.contracts.reasoning import ReasoningDelta, ReasoningParser
 
 __all__ = [
     "AttentionBackend",
@@ -47,6 +50,8 @@ __all__ = [
     "LogitsProcessorContext",
     "LogitsProcessorFactory",
     "ParsedTools",
+    "ReasoningDelta",
+    "ReasoningParser",
     "ToolCall",
     "ToolParser",
     "ToolSpec",
