@@ -18,7 +18,12 @@ from typing import Any, Sequence
 from pagedllm.core.contracts import LogitsProcessorContext, LogitsProcessorFactory
 from pagedllm.plugins.structured_outputs.backends import canonical_name
 from pagedllm.plugins.structured_outputs.compiler import CompileJob, Compiler
-from pagedllm.plugins.structured_outputs.processor import MaskLayout, ReasoningGate, StructuredOutputsProcessor
+from pagedllm.plugins.structured_outputs.processor import (
+    MaskLayout,
+    ReasoningGate,
+    StructuredOutputsProcessor,
+    reasoning_closed_by_prompt,
+)
 from pagedllm.plugins.structured_outputs.spec import CompileSpec
 
 DEFAULT_TIMEOUT_S = 10.0
@@ -72,7 +77,10 @@ class StructuredOutputsFactory(LogitsProcessorFactory):
         if spec is None:
             return None
         end = self.context.reasoning_end
-        gate = ReasoningGate(self.context.tokenizer, end) if end and not self.enable_in_reasoning else None
+        gate = None
+        if end and not self.enable_in_reasoning and not reasoning_closed_by_prompt(
+                self.context.tokenizer, prompt_token_ids, end):
+            gate = ReasoningGate(self.context.tokenizer, end)
         return StructuredOutputsProcessor(self.compiler.job(spec), self.layout, gate)
 
     def close(self) -> None:

@@ -76,6 +76,21 @@ class ReasoningGate:
         self.token_ids.pop()
 
 
+PROMPT_TAIL_TOKENS = 16  # prompt tokens read to see whether the template closed the reasoning
+
+
+def reasoning_closed_by_prompt(tokenizer: Any, prompt_token_ids: Sequence[int], end: str) -> bool:
+    """Whether the prompt itself ends with the reasoning's end marker (blanks after it):
+    a chat template that turned thinking off (Qwen3's enable_thinking=False writes an empty
+    `<think></think>` block into the generation prompt) leaves no reasoning to wait for, so
+    the constraint starts at the first token, as vLLM's is_reasoning_end(prompt) decides."""
+    if tokenizer is None or not prompt_token_ids:
+        return False
+    tail = tokenizer.decode(list(prompt_token_ids[-PROMPT_TAIL_TOKENS:]), skip_special_tokens=False,
+                            clean_up_tokenization_spaces=False)
+    return tail.rstrip().endswith(end)
+
+
 class StructuredOutputsProcessor(LogitsProcessor):
     """The contract's processor (core/contracts/logits.py) over a compile job.
 

@@ -341,3 +341,16 @@ def test_enable_in_reasoning_constrains_from_the_start(parts):
     always.validate(params)
     proc = always.create(params, [1])
     assert not proc.in_reasoning and not proc.accept(ids(tok, "<think>"))
+
+
+def test_a_prompt_that_closed_the_reasoning_constrains_from_the_start(parts):
+    """Qwen3's enable_thinking=False writes `<think>\\n\\n</think>\\n\\n` into the generation
+    prompt: nothing is left to wait for."""
+    params = type("P", (), {"structured_outputs": StructuredOutputsParams(json=PERSON)})()
+    tok = parts[0]
+    factory = StructuredOutputsFactory(context(parts, reasoning_end="</think>"))
+    factory.validate(params)
+    closed = ids(tok, "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not factory.create(params, closed).in_reasoning
+    assert factory.create(params, ids(tok, "<|im_start|>assistant\n")).in_reasoning
+    assert factory.create(params, ids(tok, "</think> then a question?")).in_reasoning
