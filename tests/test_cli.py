@@ -63,13 +63,14 @@ def parse(*argv: str) -> Any:
 
 def test_flags_map_to_engine_arguments_and_only_given_ones() -> None:
     args = parse("serve", "my-model", "--max-model-len", "1024", "--no-enable-prefix-caching", "--kv-cache-memory",
-                 "2GiB", "--dtype", "bfloat16", "-tp", "1", "--speculative-config", "{}")
+                 "2GiB", "--dtype", "bfloat16", "-tp", "1", "--speculative-config",
+                 '{"method": "ngram", "num_speculative_tokens": 2}')
     kwargs = engine_kwargs_from_args(args)
     assert kwargs["model"] == "my-model"
     assert kwargs["max_model_len"] == 1024
     assert kwargs["enable_prefix_caching"] is False
     assert kwargs["kv_cache_memory"] == 2 << 30
-    assert kwargs["speculative_config"] == {}
+    assert kwargs["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
     assert "max_num_seqs" not in kwargs  # defaults stay with the dataclasses
     config = engine_config_from_args(args)
     assert config.scheduler.max_num_seqs == 256 and config.model.dtype == "bfloat16"

@@ -191,6 +191,10 @@ class SpecConfig:
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
             raise ValueError("speculative_config must be a dict (vLLM's keys), e.g. "
                              "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
+        if self.speculative_config == {}:
+            raise ValueError("speculative_config is empty: give {\"method\": ..., \"num_speculative_tokens\": k} "
+                             "(e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}), or leave it out "
+                             "to turn speculation off")
 
 
 STRUCTURED_OUTPUTS_KEYS = ("backend", "disable_fallback", "disable_any_whitespace",

@@ -21,7 +21,7 @@ METHOD_ALIASES = {"draft": "draft_model", "[ngram]": "ngram"}
 
 
 def resolve_spec_config(raw: dict[str, Any] | None, registry: PluginRegistry) -> SpecDecodeConfig | None:
-    """The checked config, or None when speculation is off (no config, or `{}`)."""
+    """The checked config, or None when speculation is off (no config; `{}` is refused by SpecConfig)."""
     if not raw:
         return None
     values = dict(raw)

@@ -63,3 +63,12 @@ def test_structured_outputs_config_keys_are_checked():
         EngineConfig.from_kwargs(structured_outputs_config={"bakend": "xgrammar"})
     with pytest.raises(ValueError, match="--reasoning-parser"):
         EngineConfig.from_kwargs(structured_outputs_config={"reasoning_parser": "deepseek_r1"})
+
+
+def test_an_empty_speculative_config_is_refused():
+    import pytest
+
+    from pagedllm.core.config import EngineConfig
+
+    with pytest.raises(ValueError, match="speculative_config is empty"):
+        EngineConfig.from_kwargs(speculative_config={})
