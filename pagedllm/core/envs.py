@@ -52,6 +52,45 @@ ENV_VARS: dict[str, EnvVar] = {
 }
 
 
+# vLLM variables a vLLM user may have set that change nothing here: said once, never silent.
+NO_EFFECT: dict[str, str] = {
+    "VLLM_MEDIA_LOADING_THREAD_COUNT": "no multimodal inputs are loaded",
+    "VLLM_HOST_IP": "pagedllm runs one rank (multi-node is not built yet)",
+    "VLLM_PORT": "pagedllm runs one rank (no inter-process port is opened); the server's port is --port",
+    "VLLM_WORKER_MULTIPROC_METHOD": "pagedllm starts no worker processes",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "the engine runs in the server's process",
+    "VLLM_CONFIGURE_LOGGING": "logging is always configured by pagedllm (PAGEDLLM_LOGGING_LEVEL sets the level)",
+    "VLLM_CACHE_ROOT": "pagedllm caches built kernels under PAGEDLLM_CACHE_DIR",
+    "VLLM_TARGET_DEVICE": "the device is chosen with --device",
+    "VLLM_USE_MODELSCOPE": "models are read from local paths",
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "use PAGEDLLM_CPU_OMP_THREADS_BIND to choose the CPUs",
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "not supported yet: a --max-model-len past the model's context is refused; "
+                                     "extend the context with a rope scaling (--hf-overrides)",
+}
+_PREFIXES = ("PAGEDLLM_", "VLLM_")
+_told = False
+
+
+def warn_environment(environ: dict[str, str] | None = None) -> list[str]:
+    """Warn about every PAGEDLLM_* / VLLM_* variable that is set and either unknown (a typo
+    must not pass unnoticed: vLLM's "unknown environment variable") or known to have no
+    effect here. Returns the messages."""
+    environ = dict(os.environ) if environ is None else environ
+    known = set(ENV_VARS) | {v.alias for v in ENV_VARS.values() if v.alias}
+    messages = []
+    for name in sorted(environ):
+        if not name.startswith(_PREFIXES) or name in known:
+            continue
+        if name in NO_EFFECT:
+            messages.append(f"{name} is set and has no effect here: {NO_EFFECT[name]}")
+        else:
+            messages.append(f"unknown environment variable {name} (not one pagedllm reads; the ones it reads are "
+                            "listed in the README's Environment variables table)")
+    for message in messages:
+        logger.warning(message)
+    return messages
+
+
 def get(name: str, default: str | None = None) -> str | None:
     """The value of `name` or its VLLM_* alias; logs which one decided."""
     var = ENV_VARS[name]
@@ -74,7 +113,12 @@ def source(name: str) -> str | None:
 
 
 def warn_deprecated() -> None:
-    """Warn about variables vLLM users still set from older guides."""
+    """Warn about variables vLLM users still set from older guides, and (once) about
+    unknown or ineffective ones."""
+    global _told
+    if not _told:  # once per process: every engine built in it reads the same environment
+        _told = True
+        warn_environment()
     used = source("PAGEDLLM_USE_V1")
     if used:
         logger.warning("%s is ignored: pagedllm has a single engine; unset it.", used)

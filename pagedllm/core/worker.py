@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import mmap
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -165,6 +166,9 @@ class Worker:
         self.kv_dtype = self.backend.kv_cache_dtype(self.attn_spec)
         if self.device.type == "cpu":
             logger.info("CPU threads: %s", cpu_threads.apply(envs.get("PAGEDLLM_CPU_OMP_THREADS_BIND")))
+            if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
+                logger.warning("CUDA_VISIBLE_DEVICES=%s has no effect: the engine runs on the CPU",
+                               os.environ["CUDA_VISIBLE_DEVICES"])
         start = time.perf_counter()
         self.model: CausalLM = self._build_model(model_cls, source, quant)
         logger.info("loaded %s weights in %.1fs", type(self.model).__name__, time.perf_counter() - start)
