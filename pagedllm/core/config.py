@@ -58,8 +58,8 @@ class ModelConfig:
                                    "model")
     load_format: str = opt("auto", "Checkpoint format: auto, safetensors, or a plugin's (gguf, bitsandbytes).",
                            "model")
-    trust_remote_code: bool = opt(False, "Accepted for compatibility; pagedllm runs no remote code.",
-                                  "model")
+    trust_remote_code: bool = opt(False, "Let transformers run a model repository's own config and tokenizer "
+                                  "code (auto_map); pagedllm's own model classes run the weights.", "model")
     seed: int = opt(0, "Seed of the global sampling generator.", "model")
     served_model_name: str | None = opt(None, "Model name the API reports (default: the model as given, "
                                         "or the bundled model's file name).",

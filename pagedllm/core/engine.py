@@ -71,7 +71,8 @@ class LLMEngine:
         path = config.model.model or default_model()
         self.model_path = path
         source = open_model(path, config.model.load_format, registry, config.plugin_options,
-                            tokenizer=config.model.tokenizer, hf_overrides=config.model.hf_config_overrides())
+                            tokenizer=config.model.tokenizer, hf_overrides=config.model.hf_config_overrides(),
+                            trust_remote_code=config.model.trust_remote_code)
         self.tokenizer = source.tokenizer
         self.hf_config = source.hf_config
         # token facts (length, vocabulary, eos) are the language model's: a composite

@@ -57,12 +57,14 @@ class HFDirectory(CheckpointFormat):
     def hf_config(self) -> Any:
         from transformers import AutoConfig
 
-        return AutoConfig.from_pretrained(self.path)
+        return _remote_code_hint(AutoConfig.from_pretrained, self.path,
+                                 trust_remote_code=bool(self.options.get("trust_remote_code")))
 
     def tokenizer(self) -> Any:
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(self.options.get("tokenizer") or self.path)
+        return _remote_code_hint(AutoTokenizer.from_pretrained, self.options.get("tokenizer") or self.path,
+                                 trust_remote_code=bool(self.options.get("trust_remote_code")))
 
     def weight_files(self) -> list[str]:
         index = os.path.join(self.path, "model.safetensors.index.json")
@@ -89,9 +91,11 @@ class HFDirectory(CheckpointFormat):
 
 
 def open_model(path: str, load_format: str, registry: PluginRegistry, options: dict[str, Any],
-               tokenizer: str | None = None, hf_overrides: dict[str, Any] | None = None) -> ModelSource:
+               tokenizer: str | None = None, hf_overrides: dict[str, Any] | None = None,
+               trust_remote_code: bool = False) -> ModelSource:
     """Open `path` with the format that fits it (plugins first when load_format is auto);
-    `hf_overrides` are applied to its config before anything reads it."""
+    `hf_overrides` are applied to its config before anything reads it; `trust_remote_code`
+    lets transformers run a repository's own config / tokenizer code (`auto_map`)."""
     if not os.path.exists(path):
         raise ValueError(f"model path {path!r} does not exist (pagedllm reads local files; it does not "
                          "download from a model hub)")
@@ -104,6 +108,7 @@ def open_model(path: str, load_format: str, registry: PluginRegistry, options: d
         fmt = HFDirectory(path, options)
     if tokenizer:
         fmt.options["tokenizer"] = tokenizer
+    fmt.options["trust_remote_code"] = trust_remote_code
     hf_config = fmt.hf_config()
     if hf_overrides:
         apply_hf_overrides(hf_config, hf_overrides)
@@ -131,8 +136,21 @@ def _tokenizer(fmt: CheckpointFormat, tokenizer: str | None) -> Any:
     if tokenizer and not isinstance(fmt, HFDirectory):
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(tokenizer)
+        return _remote_code_hint(AutoTokenizer.from_pretrained, tokenizer,
+                                 trust_remote_code=bool(fmt.options.get("trust_remote_code")))
     return fmt.tokenizer()
+
+
+def _remote_code_hint(load: Any, path: str, trust_remote_code: bool) -> Any:
+    """transformers' loader, its refusal of a repository's own code reworded to say the
+    flag that allows it (transformers' own message asks to pass `trust_remote_code=True`)."""
+    try:
+        return load(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        if trust_remote_code or "trust_remote_code" not in str(exc):
+            raise
+        raise ValueError(f"{path} ships its own code (auto_map in its config): pass --trust-remote-code "
+                         "(LLM(trust_remote_code=True)) to run it, if you trust it") from exc
 
 
 def _rope_dict(hf_config: Any) -> dict[str, Any]:
