@@ -257,12 +257,11 @@ class LLMEngine:
             if req.is_finished:
                 continue
             why = next((w for p in req.logits_processors if (w := p.failure()) is not None), None)
-            if why is not None:
+            if why is not None:  # the request and its siblings (n > 1) end with the error
                 req.error = why
-                self.scheduler.finish(req, RequestStatus.FINISHED_ABORTED)
-                for sibling in self.parents[self.child_to_parent[req.request_id]].children:
-                    self.scheduler.finish(sibling, RequestStatus.FINISHED_ABORTED)
                 parent = self.parents[self.child_to_parent[req.request_id]]
+                for child in parent.children:
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
                 failed[parent.request_id] = parent
             elif not req.processors_ready:
                 still.append(req)

@@ -245,16 +245,6 @@ class Request:
             self.prompt_logprobs = [None]
 
     @property
-    def eos_token_id(self) -> int | None:
-        """The first end-of-sequence id (what reports name); `eos_token_ids` holds them all."""
-        return self.eos_token_ids[0] if self.eos_token_ids else None
-
-    @property
-    def constrained(self) -> bool:
-        """Whether anything edits this request's logits beyond penalties."""
-        return bool(self.logits_processors) or self.params.has_token_rules
-
-    @property
     def processors_ready(self) -> bool:
         return all(p.ready() for p in self.logits_processors)
 

@@ -244,24 +244,25 @@ class Sampler:
                 u[i] = torch.rand(1, dtype=torch.float64, generator=gen, device=self.device)[0]
         return u
 
-    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, requests: list[Request]):
-        wanted = [r.params.logprobs for r in requests]
-        if all(w is None for w in wanted):
-            return [None] * len(requests)
-        logprobs = torch.log_softmax(raw, dim=-1)
-        chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
-        ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-        k = max(w or 0 for w in wanted)
-        top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-        out = []
-        for i, w in enumerate(wanted):
-            if w is None:
-                out.append(None)
-                continue
-            ids = top_ids[i, :w].tolist() if w else []
-            vals = top_vals[i, :w].tolist() if w else []
-            out.append((float(chosen[i]), int(ranks[i]), ids, vals))
-        return out
+    def _logprobs(self, raw: torch.Tensor, tokens: torch.Tensor, requests: list[Any]):
+        return logprob_entries(raw, tokens, [r.params.logprobs for r in requests])
+
+
+def logprob_entries(raw: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[int | None]) -> list[Any]:
+    """Per row of `raw` logits: (logprob of `tokens[row]`, its rank, the `wanted[row]` most
+    likely ids and their logprobs), or None where `wanted[row]` is None. What sampled
+    tokens and prompt tokens (`prompt_logprobs`) both report."""
+    if all(w is None for w in wanted):
+        return [None] * len(wanted)
+    logprobs = torch.log_softmax(raw, dim=-1)
+    chosen = logprobs.gather(1, tokens[:, None]).squeeze(1)
+    ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
+    k = max(w or 0 for w in wanted)
+    top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
+    ids = top_ids.tolist() if k else [[]] * len(wanted)
+    vals = top_vals.tolist() if k else [[]] * len(wanted)
+    return [None if w is None else (c, r, i[:w], v[:w])
+            for w, c, r, i, v in zip(wanted, chosen.tolist(), ranks.tolist(), ids, vals)]
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

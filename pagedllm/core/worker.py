@@ -42,7 +42,7 @@ from pagedllm.core.loader import ModelSource
 from pagedllm.core.memory import GiB, KVBudget, cpu_kv_bytes, plan_kv_cache
 from pagedllm.core.plugins import PluginRegistry
 from pagedllm.core.request import Request
-from pagedllm.core.sampler import Sampler, SamplerOutput
+from pagedllm.core.sampler import Sampler, SamplerOutput, logprob_entries
 from pagedllm.core.scheduler import SchedulerOutput
 
 logger = logging.getLogger("pagedllm")
@@ -432,17 +432,10 @@ class Worker:
             for lo in range(first, last, PROMPT_LOGPROBS_SLICE):
                 hi = min(last, lo + PROMPT_LOGPROBS_SLICE)
                 rows = torch.arange(lo, hi, device=self.device) - e.num_computed_tokens + starts[i]
-                logprobs = torch.log_softmax(self.model.compute_logits(hidden[rows]).float(), dim=-1)
                 targets = req.prompt_token_ids[lo + 1:hi + 1]
-                target_t = torch.tensor(targets, device=self.device)
-                chosen = logprobs.gather(1, target_t[:, None]).squeeze(1)
-                ranks = (logprobs > chosen[:, None]).sum(dim=-1) + 1
-                top_vals, top_ids = logprobs.topk(k, dim=-1) if k else (None, None)
-                chosen_l, ranks_l = chosen.tolist(), ranks.tolist()
-                ids_l = top_ids.tolist() if k else [[] for _ in targets]
-                vals_l = top_vals.tolist() if k else [[] for _ in targets]
-                entries_out.extend((t, (c, r, ti, tv)) for t, c, r, ti, tv in
-                                   zip(targets, chosen_l, ranks_l, ids_l, vals_l))
+                logits = self.model.compute_logits(hidden[rows]).float()
+                found = logprob_entries(logits, torch.tensor(targets, device=self.device), [k] * len(targets))
+                entries_out.extend(zip(targets, found))
             out[req.request_id] = entries_out
         return out
 
