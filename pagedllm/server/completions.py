@@ -15,7 +15,7 @@ from typing import Any, AsyncIterator, NamedTuple
 from starlette.requests import Request
 from starlette.responses import Response
 
-from pagedllm.core.request import CompletionOutput, RequestOutput, SamplingParams
+from pagedllm.core.request import CompletionOutput, Logprob, RequestOutput, SamplingParams
 from pagedllm.server.body import off_loop, read_json
 from pagedllm.server.protocol import (
     MAX_LOGPROBS,
@@ -34,21 +34,31 @@ from pagedllm.server.state import ServerState, state_of
 from pagedllm.server.streaming import generate_all, respond
 
 
-def completion_logprobs(out: CompletionOutput, start: int, k: int, text_offset: int) -> dict[str, Any]:
-    """OpenAI's completions logprobs object for `out`'s tokens from index `start` on."""
+def logprobs_object(token_ids: list[int], records: list[dict[int, Logprob] | None], k: int,
+                    text_offset: int, unscored_text: str = "") -> dict[str, Any]:
+    """OpenAI's completions logprobs object for these tokens and their logprob records,
+    text offsets counted from `text_offset`. A record of None (an echoed prompt's first
+    token: nothing predicts it) reports null logprobs, with `unscored_text` as its text."""
     tokens, token_logprobs, tops, offsets = [], [], [], []
-    records = out.logprobs or []
-    for token_id, record in zip(out.token_ids[start:], records[start:]):
-        chosen = record[token_id]
-        text = chosen.decoded_token or ""
+    for token_id, record in zip(token_ids, records):
+        if record is None:
+            text, logprob, top = unscored_text, None, None
+        else:
+            chosen = record[token_id]
+            text, logprob = chosen.decoded_token or "", clamp_logprob(chosen.logprob)
+            top = {lp.decoded_token or "": clamp_logprob(lp.logprob) for _, lp in top_entries(record, k)}
+            top.setdefault(text, logprob)
         tokens.append(text)
-        token_logprobs.append(clamp_logprob(chosen.logprob))
-        top = {lp.decoded_token or "": clamp_logprob(lp.logprob) for _, lp in top_entries(record, k)}
-        top.setdefault(text, clamp_logprob(chosen.logprob))
+        token_logprobs.append(logprob)
         tops.append(top)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+def completion_logprobs(out: CompletionOutput, start: int, k: int, text_offset: int) -> dict[str, Any]:
+    """The logprobs object of `out`'s tokens from index `start` on."""
+    return logprobs_object(out.token_ids[start:], (out.logprobs or [])[start:], k, text_offset)
 
 
 class CompletionRequest(NamedTuple):
@@ -60,6 +70,7 @@ class CompletionRequest(NamedTuple):
     echoes: list[str]  # per prompt: its text when `echo`, else ""
     num_logprobs: int | None
     echo_logprobs: bool  # `echo` with `logprobs`: the prompt's tokens lead the logprobs
+    first_tokens: list[str]  # per prompt, with echo_logprobs: its first token's text (no logprob)
     prompt_logprobs: int | None  # vLLM's prompt_logprobs field: a per-choice list
     stream: bool
     include_usage: bool
@@ -86,7 +97,9 @@ def read_completion_request(state: ServerState, fields: Fields) -> CompletionReq
     prompts = encode_prompt(tokenizer, prompt, state.llm_engine.max_model_len)
     params = prepare(state.llm_engine, prompts, values, max_tokens, "max_tokens", "prompt")
     echoes = [(text if text is not None else tokenizer.decode(ids)) if echo else "" for text, ids in prompts]
-    return CompletionRequest(model, prompts, params, echoes, num_logprobs, echo and num_logprobs is not None,
+    echo_logprobs = echo and num_logprobs is not None
+    first_tokens = [tokenizer.decode(ids[:1]) if echo_logprobs else "" for _, ids in prompts]
+    return CompletionRequest(model, prompts, params, echoes, num_logprobs, echo_logprobs, first_tokens,
                              fields.data.get("prompt_logprobs"), stream, include_usage)
 
 
@@ -106,41 +119,19 @@ async def create_completion(request: Request) -> Response:
                          answer=lambda finals: _answer(finals, head, n, req))
 
 
-def echo_logprobs(final: RequestOutput, k: int) -> dict[str, Any]:
-    """The logprobs object of an echoed prompt: its tokens, the first with no logprob
-    (nothing predicts it), as OpenAI's echo + logprobs reports them."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    offset = 0
-    for token_id, record in zip(final.prompt_token_ids, final.prompt_logprobs or []):
-        if record is None:
-            text, logprob, top = _decoded(final, token_id), None, None
-        else:
-            chosen = record[token_id]
-            text, logprob = chosen.decoded_token or "", clamp_logprob(chosen.logprob)
-            top = {lp.decoded_token or "": clamp_logprob(lp.logprob) for _, lp in top_entries(record, k)}
-            top.setdefault(text, logprob)
-        tokens.append(text)
-        token_logprobs.append(logprob)
-        tops.append(top)
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}
-
-
-def _decoded(final: RequestOutput, token_id: int) -> str:
-    for record in final.prompt_logprobs or []:
-        if record and token_id in record:
-            return record[token_id].decoded_token or ""
-    return ""
+def _led_by_prompt(final: RequestOutput, req: CompletionRequest, prompt_index: int,
+                   ours: dict[str, Any]) -> dict[str, Any]:
+    """A choice's logprobs object `ours` led by its echoed prompt's tokens (echo with
+    logprobs: the first prompt token with null logprobs, as OpenAI reports them)."""
+    lead = logprobs_object(final.prompt_token_ids, final.prompt_logprobs or [], req.num_logprobs or 0, 0,
+                           req.first_tokens[prompt_index])
+    return {key: lead[key] + ours[key] for key in ours}
 
 
 def _choice_logprobs(final: RequestOutput, c: CompletionOutput, req: CompletionRequest, i: int) -> dict[str, Any]:
     """A whole choice's logprobs, led by the echoed prompt's when `echo` is set."""
     ours = completion_logprobs(c, 0, req.num_logprobs or 0, len(req.echoes[i]))
-    if not req.echo_logprobs:
-        return ours
-    lead = echo_logprobs(final, req.num_logprobs or 0)
-    return {key: lead[key] + ours[key] for key in ours}
+    return _led_by_prompt(final, req, i, ours) if req.echo_logprobs else ours
 
 
 def _answer(finals: list[RequestOutput], head: dict[str, Any], n: int, req: CompletionRequest) -> dict[str, Any]:
@@ -189,8 +180,7 @@ async def _chunks(outputs: AsyncIterator[tuple[int, RequestOutput]], head: dict[
                 logprobs = completion_logprobs(c, start, num_logprobs, offset)
                 next_offset[index] = offset + sum(len(token) for token in logprobs["tokens"])
                 if first and req.echo_logprobs:
-                    lead = echo_logprobs(out, num_logprobs)
-                    logprobs = {key: lead[key] + logprobs[key] for key in logprobs}
+                    logprobs = _led_by_prompt(out, req, prompt_index, logprobs)
             sent_text[index] = len(c.text)
             sent_tokens[index] = len(c.token_ids)
             if c.finish_reason:

@@ -51,6 +51,7 @@ def test_echo_with_logprobs_leads_with_the_prompt(server) -> None:
     lp = out.choices[0].logprobs
     assert len(lp.tokens) == len(prompt_ids) + 3
     assert lp.token_logprobs[0] is None and all(v is not None for v in lp.token_logprobs[1:])
+    assert lp.tokens[0] == server.engine.engine.tokenizer.decode(prompt_ids[:1])  # unscored, but named
     assert lp.top_logprobs[0] is None and all(len(t) >= 1 for t in lp.top_logprobs[1:])
     assert out.choices[0].text.startswith(PROMPT)
     streamed = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
