@@ -49,7 +49,7 @@ class ReasoningParser(ABC):
 
 def partial_suffix(text: str, *tags: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of one of `tags`:
-    what a parser holds back while the rest of a tag may still arrive."""
+    what a parser (reasoning or tool-call) holds back while the rest of a tag may still arrive."""
     best = 0
     for tag in tags:
         for size in range(min(len(tag) - 1, len(text)), best, -1):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Iterable, Iterator
 
+from pagedllm.core.contracts.reasoning import partial_suffix  # the held-back tail; reasoning parsers share it
 from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser
 from pagedllm.core.json_scan import JSONField, JSONMalformed, scan_object, skip_ws
 
@@ -36,14 +37,6 @@ PENDING = _Held()  # a region's answer: valid so far, but nothing to show yet
 Segment = str | list[ToolCall] | _Held
 Region = list[ToolCall] | None | _Held  # calls, malformed (None), or PENDING
 ARGUMENT_KEYS = ("arguments", "parameters")
-
-
-def partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
 
 
 def assemble(segments: Iterable[Segment], finished: bool) -> ParsedTools:
