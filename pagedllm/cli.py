@@ -1,7 +1,8 @@
-"""`pagedllm serve | chat | bench`: the command line, with vLLM's flag names.
+"""`pagedllm serve | chat | bench | plan`: the command line, with vLLM's flag names.
 
 Each subcommand's parser and its hand-over: `serve` runs the OpenAI server here,
-`chat` goes to `pagedllm.chat_cli`, `bench` to `pagedllm.bench`. The engine flags
+`chat` goes to `pagedllm.chat_cli`, `bench` to `pagedllm.bench`, `plan` (will the
+model fit, from its config alone) to `pagedllm.plan`. The engine flags
 every one of them takes (generated from the config dataclasses, plus the plugins'
 flags through the `pagedllm_add_cli_args` hook) and reading them back are
 `pagedllm.engine_args`; server flags come from `ServerSettings` the same way. Flag
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from typing import Any, NoReturn, Sequence
@@ -22,7 +24,7 @@ from pagedllm import bench, chat_cli
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.logs import setup_logging
 from pagedllm.engine_args import (add_dataclass_args, add_engine_args, check_plugin_values,
-                                  engine_config_from_args, engine_kwargs_from_args)
+                                  engine_config_from_args, engine_kwargs_from_args, parse_bytes)
 
 logger = logging.getLogger("pagedllm")
 
@@ -72,7 +74,7 @@ def apply_serve_defaults(args: argparse.Namespace) -> None:
 
 
 def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    from pagedllm.core.engine import AsyncLLMEngine
+    from pagedllm.core.data_parallel import async_engine
     from pagedllm.server.app import ServerSettings, build_app, load_chat_template, run_server
     from pagedllm.server.auth import resolve_api_key
 
@@ -88,11 +90,19 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         if not settings.reasoning_parser:
             _fail(parser, ValueError("--enable-reasoning needs --reasoning-parser (e.g. deepseek_r1)"))
     apply_serve_defaults(args)
+    if settings.api_server_count > 1:
+        logger.warning("--api-server-count %d: pagedllm runs one API server process (asyncio; the engines work in "
+                       "their own threads and processes), which serves every replica", settings.api_server_count)
     try:
         config = engine_config_from_args(args)
         load_chat_template(settings.chat_template)
     except (ValueError, NotImplementedError) as exc:
         _fail(parser, exc)
+    if config.parallel.headless:  # this machine only runs its ranks; node 0 serves
+        from pagedllm.core.executor import run_headless
+
+        log_config(config)
+        raise SystemExit(run_headless(config))
     if settings.reasoning_parser:  # structured outputs constrain what follows the reasoning
         from pagedllm.server.reasoning import reasoning_parser_class
 
@@ -103,7 +113,7 @@ def serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     log_config(config, shown)
     api_key = resolve_api_key(settings.api_key)
     try:
-        engine = AsyncLLMEngine.from_config(config)
+        engine = async_engine(config)
     except (ValueError, NotImplementedError) as exc:
         print(f"pagedllm serve: error: {exc}", file=sys.stderr)
         raise SystemExit(1) from None
@@ -146,6 +156,44 @@ def chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return chat_cli.run_chat(args)
 
 
+# ---------------------------------------------------------------------- plan
+
+
+def add_plan_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser(
+        "plan", help="will a model fit? weights, KV cache and sequences per GPU, before loading anything",
+        description="Read only a model's config.json (a model directory or the file) or a GGUF file's metadata, "
+                    "and say, per rank, what the weights and the KV cache take and how many max-model-len "
+                    "sequences fit under the engine flags given (the same flags as `pagedllm serve`); when not one "
+                    "fits, what to change, in order, with the number each change gives. Exit status 0: it fits, "
+                    "1: it does not, 2: a configuration error.")
+    add_engine_args(parser)
+    group = parser.add_argument_group("plan")
+    group.add_argument("--gpu-memory", type=parse_bytes, default=None, metavar="SIZE",
+                       help="Memory of one GPU, e.g. 141GB or 80GiB (binary units, as --kv-cache-memory: "
+                            "G = GB = GiB). Default: the visible CUDA device's; required where there is none.")
+    group.add_argument("--device-count", type=int, default=None, metavar="N",
+                       help="GPUs available (default: the visible CUDA devices; without any, no limit): the "
+                            "tensor-parallel remedy stays within N / pipeline_parallel_size.")
+    group.add_argument("--json", action="store_true", help="Print one JSON object instead of the report.")
+    parser.set_defaults(handler=plan, subparser=parser)
+
+
+def plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Print the plan (or its JSON); exit status 1 when not one sequence fits."""
+    from pagedllm import plan as planner
+
+    if args.device_count is not None and args.device_count < 1:
+        _fail(parser, "--device-count must be >= 1")
+    try:
+        config = engine_config_from_args(args)
+        result = planner.plan_from_config(config, gpu_memory=args.gpu_memory, device_count=args.device_count)
+    except (ValueError, NotImplementedError) as exc:
+        _fail(parser, exc)
+    print(json.dumps(planner.to_json(result), indent=1) if args.json else planner.report(result))
+    return 0 if result.fits else 1
+
+
 def _add_bench_parser(subparsers: Any, wanted: bool) -> None:
     """The `bench` subcommands in full only when `bench` is the command (they load the
     bench modules and repeat the engine flags four times); otherwise a short entry."""
@@ -159,9 +207,10 @@ def _add_bench_parser(subparsers: Any, wanted: bool) -> None:
 def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     """The `pagedllm` parser; `argv` decides whether the bench subcommands are built in full."""
     parser = argparse.ArgumentParser(prog="pagedllm", description="pagedllm: a small vLLM-compatible engine.")
-    subparsers = parser.add_subparsers(dest="command", metavar="{serve,chat,bench}", required=True)
+    subparsers = parser.add_subparsers(dest="command", metavar="{serve,chat,bench,plan}", required=True)
     add_serve_parser(subparsers)
     add_chat_parser(subparsers)
+    add_plan_parser(subparsers)
     _add_bench_parser(subparsers, wanted=bool(argv) and argv[0] == "bench")
     return parser
 

@@ -29,13 +29,14 @@ GROUP_TITLES = {
     "model": "model",
     "cache": "KV cache",
     "scheduler": "scheduler",
-    "parallel": "parallelism (not supported yet: sizes other than 1 are refused)",
+    "parallel": "parallelism",
     "device": "device and kernels",
     "spec": "speculative decoding",
     "structured": "structured outputs",
     "server": "server",
 }
-FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "quantization": ["-q"]}
+FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
+                "enable_expert_parallel": ["-ep"], "quantization": ["-q"]}
 # Where `add_engine_args` records the dests of the plugins' flags in the namespace.
 PLUGIN_DESTS = "_pagedllm_plugin_dests"
 SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}

@@ -31,7 +31,15 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         setup_logging()
         self.config = EngineConfig.from_kwargs(model=model, **kwargs)
+        if self.config.parallel.data_parallel_size > 1:
+            raise NotImplementedError("data_parallel_size > 1 is for `pagedllm serve` (replicas behind one server); "
+                                      "offline, run one LLM per replica, each on its share of the machine")
         self.engine = LLMEngine(self.config)
+
+    def shutdown(self) -> None:
+        """Stop the engine's rank processes now (tensor / pipeline parallel); they stop
+        with the interpreter otherwise."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer

@@ -91,8 +91,10 @@ def test_model_given_twice_differently_is_an_error() -> None:
 
 
 @pytest.mark.parametrize("argv,message", [
-    (["-tp", "2"], "tensor_parallel_size=2 is not supported yet"),
-    (["--pipeline-parallel-size", "4"], "pipeline_parallel_size=4 is not supported yet"),
+    (["-tp", "0"], "tensor_parallel_size must be an integer >= 1"),
+    (["-tp", "2", "--distributed-executor-backend", "uni"], "'uni' runs one rank"),
+    (["--nnodes", "2", "-tp", "2"], "--nnodes > 1 needs --master-port"),
+    (["--headless"], "--headless is for the nodes other than 0"),
     (["--speculative-config", '{"method": "nope", "num_speculative_tokens": 3}'], "unknown speculative method"),
     (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "lookup": 2}'],
      "unknown key(s) lookup"),

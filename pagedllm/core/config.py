@@ -142,19 +142,86 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
 @dataclass
 class ParallelConfig:
-    tensor_parallel_size: int = opt(1, "Tensor-parallel ranks (not supported yet: must be 1).",
-                                    "parallel")
-    pipeline_parallel_size: int = opt(1, "Pipeline-parallel ranks (not supported yet: must be 1).",
-                                      "parallel")
+    tensor_parallel_size: int = opt(1, "Tensor-parallel ranks: each layer's matrices split over N processes "
+                                    "(gloo on the CPU, NCCL on CUDA).", "parallel")
+    pipeline_parallel_size: int = opt(1, "Pipeline-parallel stages: the layers split over N processes.", "parallel")
+    data_parallel_size: int = opt(1, "Engine replicas behind one server (each with its own tensor/pipeline "
+                                  "ranks).", "parallel")
+    data_parallel_rank: int = opt(0, "This replica's index among --data-parallel-size (set for each replica by "
+                                  "the server; give it only to run one replica of a larger set).", "parallel")
+    enable_expert_parallel: bool = opt(False, "Spread an MoE model's experts over the tensor-parallel ranks "
+                                       "instead of splitting every expert.", "parallel")
+    distributed_executor_backend: str | None = opt(
+        None, "How ranks run: uni (this process; one rank only), mp (one process per rank, the default for "
+        "more than one rank), ray (ranks are Ray actors, across the machines of a Ray cluster).", "parallel",
+        choices=list(EXECUTOR_BACKENDS))
+    nnodes: int = opt(1, "Machines the mp backend spans (each runs `pagedllm serve ... --node-rank R`).",
+                      "parallel")
+    node_rank: int = opt(0, "This machine's index among --nnodes (0 runs the server and the scheduler).",
+                         "parallel")
+    master_addr: str = opt("127.0.0.1", "Address of node 0, where the ranks meet (env VLLM_HOST_IP on node 0).",
+                           "parallel")
+    master_port: int | None = opt(None, "Port on node 0 where the ranks meet (default: VLLM_PORT, else a free "
+                                  "port; give one when --nnodes > 1).", "parallel")
+    headless: bool = opt(False, "Run only this node's ranks, no server (the nodes other than 0).", "parallel")
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
             value = getattr(self, name)
-            if value != 1:
-                raise NotImplementedError(
-                    f"{name}={value} is not supported yet: pagedllm currently runs one rank; use 1")
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                             f"got {backend!r}")
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
+                             f"= {self.world_size} ranks; use mp (one machine) or ray")
+        if not 0 <= self.data_parallel_rank < self.data_parallel_size:
+            raise ValueError(f"data_parallel_rank={self.data_parallel_rank} is outside 0 .. data_parallel_size-1")
+        if self.data_parallel_size > 1 and self.nnodes > 1:
+            raise NotImplementedError("data parallelism across machines (--data-parallel-size with --nnodes) is not "
+                                      "supported yet: run one server per machine behind your load balancer")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank={self.node_rank} is outside 0 .. nnodes-1 ({self.nnodes} nodes)")
+        if self.nnodes > 1:
+            if self.executor_backend != "mp":
+                raise ValueError("--nnodes is for the mp backend; with ray the Ray cluster spans the machines")
+            if self.world_size % self.nnodes:
+                raise ValueError(f"{self.world_size} ranks do not split evenly over {self.nnodes} nodes")
+            if self.master_port is None:
+                raise ValueError("--nnodes > 1 needs --master-port (the port on node 0 every node connects to)")
+        if self.headless and self.node_rank == 0:
+            raise ValueError("--headless is for the nodes other than 0 (give --node-rank R, R >= 1); node 0 "
+                             "runs the server")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks of one engine (a data-parallel replica): tensor x pipeline parallel."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend asked for, or the default: uni for one rank, mp for more."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    def local_rank(self, rank: int) -> tuple[int, int]:
+        """(this rank's index among the rank processes of this machine, how many there are):
+        every data-parallel replica's ranks count, so that each takes its own GPU or its own
+        share of the CPUs."""
+        per_node = self.ranks_per_node
+        return self.data_parallel_rank * per_node + rank % per_node, self.data_parallel_size * per_node
 
 
 @dataclass

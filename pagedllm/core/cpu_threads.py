@@ -42,11 +42,31 @@ def _allowed() -> list[int]:
         return list(range(os.cpu_count() or 1))
 
 
-def apply(setting: str | None) -> str:
-    """Set torch's thread count (and the affinity, for a list); returns what was done."""
+def apply(setting: str | None, local_rank: int = 0, local_ranks: int = 1) -> str:
+    """Set torch's thread count (and the affinity, for a list); returns what was done.
+
+    With several rank processes on this machine (`local_ranks`), `auto` gives each its
+    own share of the available CPUs (two OpenMP processes on the same cores slow each
+    other ten times over), and a `|`-separated value gives each rank its own list (vLLM's
+    form: `0-3|4-7`)."""
     setting = (setting or "auto").strip()
     if setting == "nobind":
         return f"{torch.get_num_threads()} threads as the environment set them (nobind)"
+    if local_ranks > 1:
+        if "|" in setting:
+            parts = setting.split("|")
+            if len(parts) != local_ranks:
+                raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND={setting!r} gives {len(parts)} CPU lists for "
+                                 f"{local_ranks} ranks on this machine; give one list per rank")
+            setting = parts[local_rank].strip()
+        elif setting == "auto":
+            allowed = _allowed()
+            if len(allowed) < local_ranks:
+                torch.set_num_threads(1)
+                return (f"{local_ranks} ranks share {len(allowed)} CPUs: 1 thread each, unpinned (auto; expect "
+                        "them to slow each other)")
+            share = len(allowed) // local_ranks
+            setting = ",".join(map(str, allowed[local_rank * share:(local_rank + 1) * share]))
     if setting == "auto":
         allowed = _allowed()
         threads = torch.get_num_threads()

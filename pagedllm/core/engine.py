@@ -9,6 +9,7 @@ outputs are gathered back into one RequestOutput.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -36,7 +37,8 @@ from pagedllm.core.request import (
 )
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
 from pagedllm.core.spec_decode import PayoffGuard, resolve_spec_config
-from pagedllm.core.worker import Worker
+from pagedllm.core.executor import EngineDeadError, make_executor
+from pagedllm.core.worker import Worker, check_split
 
 logger = logging.getLogger("pagedllm")
 
@@ -78,18 +80,16 @@ class LLMEngine:
         # token facts (length, vocabulary, eos) are the language model's: a composite
         # (vision-language) config keeps them under its text part
         text_config = source.text_config
-        # the config's length, stretched by its rope scaling (as vLLM derives it)
-        model_max, derived = derived_max_model_len(text_config)
-        self.max_model_len = config.model.max_model_len or model_max
-        if self.max_model_len > model_max:
-            raise ValueError(f"max_model_len={self.max_model_len} is longer than the model's {derived}; lower "
-                             "--max-model-len (or extend the context with a rope scaling: --hf-overrides "
-                             "'{\"rope_scaling\": {...}}')")
-        budget = config.max_num_batched_tokens(self.max_model_len)
-        self.spec_config = resolve_spec_config(config.spec.speculative_config, registry)
+        self.max_model_len, budget, self.spec_config = engine_limits(config, source, registry)
         self.payoff = PayoffGuard(self.spec_config.num_speculative_tokens if self.spec_config else 0)
         self._propose_s = 0.0
-        self.worker = Worker(config, source, registry, self.max_model_len, budget, self.spec_config)
+        # ranks in other processes open the same model (the default one by its path)
+        rank_config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=path))
+        if config.parallel.world_size > 1:  # what every rank would refuse, refused before any starts
+            check_split(config, source, registry)
+        self.executor = make_executor(rank_config, lambda state: Worker(
+            config, source, registry, self.max_model_len, budget, self.spec_config, state))
+        self.worker = self.executor.driver
         self.block_manager = BlockManager(self.worker.budget.num_blocks, config.cache.block_size,
                                           config.cache.enable_prefix_caching, self.worker.kv_window)
         proposer = self.worker.proposer
@@ -196,6 +196,14 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self.parents)
 
+    def check_health(self) -> None:
+        """Raise EngineDeadError when a rank of this engine is gone."""
+        self.executor.check_health()
+
+    def shutdown(self) -> None:
+        """Stop the ranks (a one-rank engine has none); the engine is unusable after."""
+        self.executor.shutdown()
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
@@ -214,7 +222,7 @@ class LLMEngine:
             if self._pending:
                 time.sleep(0.001)  # only compiling requests: wait for them without spinning a core
             return [self._finish_parent(p) for p in failed if p.request_id in self.parents]
-        result = self.worker.execute(out)
+        result = self.executor.execute(out)
         for request_id, entries in result.prompt_logprobs.items():
             req = self.scheduler.requests.get(request_id)
             if req is not None and req.prompt_logprobs is not None:
@@ -349,6 +357,20 @@ class LLMEngine:
         return output
 
 
+def engine_limits(config: EngineConfig, source: Any, registry: Any) -> tuple[int, int, Any]:
+    """(max_model_len, the step's token budget, the resolved speculative config): what the
+    engine and every rank derive from the config and the model alike."""
+    # the config's length, stretched by its rope scaling (as vLLM derives it)
+    model_max, derived = derived_max_model_len(source.text_config)
+    max_model_len = config.model.max_model_len or model_max
+    if max_model_len > model_max:
+        raise ValueError(f"max_model_len={max_model_len} is longer than the model's {derived}; lower "
+                         "--max-model-len (or extend the context with a rope scaling: --hf-overrides "
+                         "'{\"rope_scaling\": {...}}')")
+    return (max_model_len, config.max_num_batched_tokens(max_model_len),
+            resolve_spec_config(config.spec.speculative_config, registry))
+
+
 def _eos_token_ids(tokenizer: Any, hf_config: Any, text_config: Any, path: str) -> tuple[int, ...]:
     """Every id that ends a sequence, first the tokenizer's: the configs' `eos_token_id`
     (an int or a list, as Llama 3's <|eot_id|> and <|eom_id|>) and generation_config.json's."""
@@ -424,6 +446,7 @@ class AsyncLLMEngine:
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Latest]] = {}
         self._refusal: Callable[[], BaseException] | None = None
+        self._dead: EngineDeadError | None = None
         self._wake = threading.Event()
         self._stopped = False
         self._ids = itertools.count()
@@ -499,6 +522,12 @@ class AsyncLLMEngine:
         self._thread.join(timeout=10)
         for factory in self.engine.logits_factories:
             factory.close()
+        self.engine.shutdown()
+
+    @property
+    def dead_error(self) -> EngineDeadError | None:
+        """Why the engine stopped on its own (a rank failed), or None."""
+        return self._dead
 
     def _deliver(self, request_id: str, item: Any) -> None:
         self._deliver_all([(request_id, item)])
@@ -530,14 +559,27 @@ class AsyncLLMEngine:
                 self.engine.abort(arg)
 
     def _run(self) -> None:
+        try:
+            self._loop()
+        except EngineDeadError as exc:  # a rank is gone: nothing can run any more
+            logger.error("engine stopped: %s", exc)
+            self._dead = dead = exc
+            self._refusal = lambda: EngineDeadError(f"engine stopped: {dead}")
+            self._deliver_all([(request_id, EngineDeadError(f"engine stopped: {dead}"))
+                               for request_id in list(self._streams)])
+
+    def _loop(self) -> None:
         while not self._stopped:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
+                self.engine.check_health()
                 self._wake.wait(timeout=0.5)
                 self._wake.clear()
                 continue
             try:
                 outputs = self.engine.step()
+            except EngineDeadError:
+                raise
             except Exception as exc:
                 logger.exception("engine step failed; failing the requests in flight")
                 for request_id in list(self.engine.parents):

@@ -46,6 +46,11 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("PAGEDLLM_FUSED_MOE_CHUNK_SIZE", "VLLM_FUSED_MOE_CHUNK_SIZE",
                "Tokens per chunk of a mixture-of-experts layer's grouped GEMMs (default 32768, as vLLM): "
                "bounds the intermediate buffers of long prefills."),
+        EnvVar("PAGEDLLM_HOST_IP", "VLLM_HOST_IP",
+               "This machine's address that other ranks reach (node 0: where the ranks meet; default "
+               "--master-addr, 127.0.0.1 on one machine)."),
+        EnvVar("PAGEDLLM_PORT", "VLLM_PORT",
+               "The port where the ranks meet on node 0 when --master-port is not given (default: a free one)."),
         EnvVar("PAGEDLLM_USE_V1", "VLLM_USE_V1",
                "Accepted for compatibility and ignored with a warning: there is one engine."),
     ]
@@ -55,9 +60,7 @@ ENV_VARS: dict[str, EnvVar] = {
 # vLLM variables a vLLM user may have set that change nothing here: said once, never silent.
 NO_EFFECT: dict[str, str] = {
     "VLLM_MEDIA_LOADING_THREAD_COUNT": "no multimodal inputs are loaded",
-    "VLLM_HOST_IP": "pagedllm runs one rank (multi-node is not built yet)",
-    "VLLM_PORT": "pagedllm runs one rank (no inter-process port is opened); the server's port is --port",
-    "VLLM_WORKER_MULTIPROC_METHOD": "pagedllm starts no worker processes",
+    "VLLM_WORKER_MULTIPROC_METHOD": "rank processes are always spawned (never forked)",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "the engine runs in the server's process",
     "VLLM_CONFIGURE_LOGGING": "logging is always configured by pagedllm (PAGEDLLM_LOGGING_LEVEL sets the level)",
     "VLLM_CACHE_ROOT": "pagedllm caches built kernels under PAGEDLLM_CACHE_DIR",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
@@ -79,15 +80,45 @@ class HFDirectory(CheckpointFormat):
         return [os.path.join(self.path, n) for n in names]
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        from safetensors import safe_open
-
         for file in self.weight_files():
-            with safe_open(file, framework="pt") as f:
-                for name in f.keys():
-                    yield name, f.get_tensor(name)
+            yield from mapped_safetensors(file)
 
     def quantization(self) -> str | None:
         return None
+
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+
+
+def mapped_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The tensors of one .safetensors file as views of a private memory map of it: a
+    page of the file is read only when a loader touches it, so a tensor-parallel rank
+    that narrows a tensor to its slice before copying reads only that slice, and no
+    rank holds a second copy of the file. (The format: an 8-byte little-endian header
+    length, a JSON header of name -> dtype, shape, [start, end) offsets, the data.)"""
+    with open(path, "rb") as f:
+        header_len = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_len))
+        size = os.fstat(f.fileno()).st_size
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY) if size else None
+    base = 8 + header_len
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: tensor {name!r} has dtype {info['dtype']}, which pagedllm cannot read")
+        start, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end == start:
+            yield name, torch.empty(shape, dtype=dtype)
+            continue
+        count = (end - start) // torch.empty((), dtype=dtype).element_size()
+        yield name, torch.frombuffer(mapped, dtype=dtype, count=count, offset=base + start).view(shape)
 
 
 def open_model(path: str, load_format: str, registry: PluginRegistry, options: dict[str, Any],

@@ -7,6 +7,7 @@ once, and computes logits only for rows that produce a token.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -19,6 +20,8 @@ import torch
 
 from pagedllm.core import cpu_threads, envs, precision
 from pagedllm.core.config import EngineConfig
+from pagedllm.core.parallel import ParallelState, stage_layers
+from pagedllm.core.step import RankRequests, StepEncoder, StepMessage
 from pagedllm.core.contracts import (
     AttentionContext,
     AttentionSpec,
@@ -27,6 +30,7 @@ from pagedllm.core.contracts import (
     DraftModel,
     EmbeddingMethod,
     GraphRunner,
+    IntermediateTensors,
     KVCacheSpec,
     LinearMethod,
     ModelContext,
@@ -39,7 +43,7 @@ from pagedllm.core.contracts import (
     TargetStep,
 )
 from pagedllm.core.loader import ModelSource
-from pagedllm.core.memory import GiB, KVBudget, cpu_kv_bytes, plan_kv_cache
+from pagedllm.core.memory import GiB, KVBudget, cpu_kv_bytes, plan_kv_cache, tokens_held_per_seq
 from pagedllm.core.plugins import PluginRegistry
 from pagedllm.core.request import Request
 from pagedllm.core.sampler import Sampler, SamplerOutput, logprob_entries
@@ -139,11 +143,20 @@ PROMPT_LOGPROBS_SLICE = 256  # prompt rows turned into vocabulary-wide logits at
 
 
 class Worker:
+    """One rank's model runner. Every rank runs `run(StepMessage)`; the driver (rank 0)
+    also encodes the scheduler's output into that message, samples and proposes
+    (`execute`). With one rank the driver is the only one."""
+
     def __init__(self, config: EngineConfig, source: ModelSource, registry: PluginRegistry,
                  max_model_len: int, max_num_batched_tokens: int,
-                 spec_config: SpecDecodeConfig | None = None) -> None:
+                 spec_config: SpecDecodeConfig | None = None, parallel: ParallelState | None = None) -> None:
         self.config = config
+        self.parallel = parallel = parallel or ParallelState.single()
         self.device = torch.device(config.device.resolved_device())
+        local_rank, local_ranks = config.parallel.local_rank(parallel.rank)
+        if self.device.type == "cuda" and local_ranks > 1:
+            self.device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device.type)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
@@ -152,20 +165,25 @@ class Worker:
 
         self.registry = registry
         model_cls = registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
+        if parallel.world_size > 1:
+            check_split(config, source, registry)
         quant = _quant_config(config.model.quantization, source, registry, config.plugin_options)
         self.matmul_precision = "highest"
         if self.dtype == torch.float32:
             self.matmul_precision, why = precision.resolve(
                 envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION"), config.model.dtype, quant is not None)
             logger.info("float32 matmul precision %s (%s)", self.matmul_precision, why)
-        self.kv_spec = model_cls.kv_cache_spec(source.hf_config)
+        # this rank's share of the heads, and the layers its pipeline stage holds
+        self.kv_spec = model_cls.kv_cache_spec(source.hf_config).for_tensor_parallel(parallel.tp.size)
+        self.stage_layers = parallel.stage_layers(self.kv_spec.num_layers)
         self.attn_spec = self._attention_spec(self.kv_spec)
         requested, decided_by = _requested_backend(config)
         self.backend = registry.attention_backend(requested, self.attn_spec)
         logger.info("attention backend %s (%s)", self.backend.name, decided_by)
         self.kv_dtype = self.backend.kv_cache_dtype(self.attn_spec)
         if self.device.type == "cpu":
-            logger.info("CPU threads: %s", cpu_threads.apply(envs.get("PAGEDLLM_CPU_OMP_THREADS_BIND")))
+            logger.info("CPU threads: %s", cpu_threads.apply(envs.get("PAGEDLLM_CPU_OMP_THREADS_BIND"),
+                                                             local_rank, local_ranks))
             if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
                 logger.warning("CUDA_VISIBLE_DEVICES=%s has no effect: the engine runs on the CPU",
                                os.environ["CUDA_VISIBLE_DEVICES"])
@@ -175,17 +193,27 @@ class Worker:
         self.builder = self.backend.builder_cls()(self.attn_spec)
         self.proposer: SpecProposer | None = None
         if spec_config is not None:
+            if parallel.world_size > 1 and (spec_config.model or registry.spec_method(spec_config.method).needs_model):
+                raise NotImplementedError(
+                    f"speculative method {spec_config.method!r} runs a model of its own, which cannot be split over "
+                    "ranks yet; with tensor or pipeline parallelism use a model-free method (ngram, suffix)")
             self.proposer = self._proposer(spec_config, source)
         draft_spec = self.proposer.kv_cache_spec() if self.proposer is not None else None
         # tokens older than this are never read again by any layer (target or proposer)
         self.kv_window = _common_window([self.kv_spec] + ([draft_spec] if draft_spec is not None else []))
         self.budget = self._plan_memory(draft_spec)
-        self.kv_caches = self._allocate(self.kv_spec)
+        self.kv_caches = self._allocate(self.kv_spec, self.stage_layers)
         if draft_spec is not None:
             self.proposer.bind_kv_caches(self._allocate(draft_spec))
         self.sampler = Sampler(config.model.seed, self.device)
-        self.graph_runner = None if config.device.enforce_eager else self._graph_runner(registry)
+        self.graph_runner = None
+        if parallel.world_size > 1:
+            logger.info("graph capture: off with more than one rank (not supported yet); every step runs eagerly")
+        elif not config.device.enforce_eager:
+            self.graph_runner = self._graph_runner(registry)
         self._last_step: TargetStep | None = None
+        self.encoder = StepEncoder()  # the driver's record of what the ranks hold
+        self.held = RankRequests()  # this rank's copy of every live request's tokens and blocks
 
     # ------------------------------------------------------------------ set-up helpers
 
@@ -265,9 +293,13 @@ class Worker:
         logger.info("speculative decoding: %s, %d draft tokens per step", spec.method, spec.num_speculative_tokens)
         return proposer
 
-    def _allocate(self, spec: KVCacheSpec) -> list[torch.Tensor]:
+    def _allocate(self, spec: KVCacheSpec, layers: range | None = None) -> list[torch.Tensor]:
+        """One cache tensor per layer, indexed by the model's layer number; the layers of
+        other pipeline stages (outside `layers`) get an empty placeholder."""
         shape = self.backend.cache_shape(self.budget.num_blocks, self.block_size, spec)
-        return [zeroed(shape, self.kv_dtype, self.device) for _ in range(spec.num_layers)]
+        layers = range(spec.num_layers) if layers is None else layers
+        empty = torch.empty(0, dtype=self.kv_dtype, device=self.device)
+        return [zeroed(shape, self.kv_dtype, self.device) if i in layers else empty for i in range(spec.num_layers)]
 
     def _graph_runner(self, registry: PluginRegistry, model: torch.nn.Module | None = None) -> GraphRunner | None:
         """What replays captured steps instead of calling the model (CUDA graphs, CPU step
@@ -281,30 +313,34 @@ class Worker:
 
     def _plan_memory(self, draft_spec: KVCacheSpec | None = None) -> KVBudget:
         element = torch.empty((), dtype=self.kv_dtype).element_size()
-        bytes_per_token = self.kv_spec.bytes_per_token(element)
+        bytes_per_token = self.kv_spec.bytes_per_token(element, len(self.stage_layers))
         if draft_spec is not None:  # a proposer's layers share the target's block table
             bytes_per_token += draft_spec.bytes_per_token(element)
         cache = self.config.cache
+        total = None
         if self.device.type == "cuda":
             available, source = self._profile_cuda(bytes_per_token)
+            if cache.kv_cache_memory is None:
+                total = torch.cuda.mem_get_info(self.device)[1]
         else:
             available, source = cpu_kv_bytes(cache.kv_cache_memory)
+        held = tokens_held_per_seq(self.max_model_len, self.kv_window, self.max_num_batched_tokens, self.block_size)
         budget = plan_kv_cache(available, source, bytes_per_token, self.block_size, self.max_model_len,
-                               self.config.scheduler.max_num_seqs, self.device.type == "cuda",
-                               self._tokens_held_per_seq())
+                               self.config.scheduler.max_num_seqs, self.device.type == "cuda", held,
+                               kv_element_size=element, total_bytes=total,
+                               gpu_memory_utilization=cache.gpu_memory_utilization if total else None)
+        world = self.parallel.world
+        if world.size > 1:  # one block table serves every rank: the smallest rank's count
+            fewest = world.min_int(budget.num_blocks)
+            if fewest < budget.num_blocks:
+                logger.info("KV cache: %d blocks on this rank, %d on the smallest: using %d",
+                            budget.num_blocks, fewest, fewest)
+                budget = dataclasses.replace(budget, num_blocks=fewest)
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%s, %.2f GiB, %d bytes/token, dtype %s)",
                     budget.num_blocks, self.block_size, budget.num_tokens, source,
                     budget.num_blocks * self.block_size * bytes_per_token / GiB, bytes_per_token,
                     str(self.kv_dtype).replace("torch.", ""))
         return budget
-
-    def _tokens_held_per_seq(self) -> int:
-        """The most tokens one sequence ever holds in the cache: max_model_len, or, when every
-        layer is windowed (blocks older than the window are released), the window plus the
-        largest step's new tokens and a block for alignment."""
-        if self.kv_window is None:
-            return self.max_model_len
-        return min(self.max_model_len, self.kv_window + self.max_num_batched_tokens + self.block_size)
 
     def _profile_cuda(self, bytes_per_token: int) -> tuple[int, str]:
         """Run one maximal step with a throw-away cache to learn the activation peak."""
@@ -315,14 +351,15 @@ class Worker:
         num_blocks = -(-num_tokens // self.block_size)
         spec = self.kv_spec
         shape = self.backend.cache_shape(num_blocks, self.block_size, spec)
-        scratch = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) for _ in range(spec.num_layers)]
+        scratch = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) if i in self.stage_layers
+                   else torch.empty(0, dtype=self.kv_dtype, device=self.device) for i in range(spec.num_layers)]
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         layout = self._layout([[0] * num_tokens], [0], [num_tokens], [list(range(num_blocks))])
         with torch.inference_mode():
-            hidden = self.model(layout.input_ids, layout.positions,
-                                AttentionContext(self.builder.build(layout), scratch))
-            self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs):])
+            hidden = self._forward(layout, AttentionContext(self.builder.build(layout), scratch))
+            if hidden is not None:
+                self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs):])
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated()
         scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
@@ -363,80 +400,126 @@ class Worker:
             seq_lens_cpu=seq_t, max_query_len=int(num_new_np.max()), max_seq_len=int(seq_lens.max()),
             block_size=bs)
 
+    def _forward(self, layout: BatchLayout, attn: AttentionContext) -> torch.Tensor | None:
+        """This rank's part of the model forward: a pipeline stage other than the first
+        receives the previous stage's tensors, one other than the last hands its own to the
+        next stage and returns None; the last stage returns the hidden states."""
+        pp = self.parallel.pp
+        intermediate = None
+        if not pp.first:
+            intermediate = IntermediateTensors(pp.recv_tensors(pp.rank - 1, self.device))
+        if self.graph_runner is not None:
+            hidden = self.graph_runner(layout, attn)
+        elif intermediate is None:
+            hidden = self.model(layout.input_ids, layout.positions, attn)
+        else:
+            hidden = self.model(layout.input_ids, layout.positions, attn, intermediate)
+        if not pp.last:
+            pp.send_tensors(hidden.tensors, pp.rank + 1)
+            return None
+        return hidden
+
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> StepResult:
+    def run(self, msg: StepMessage) -> tuple[BatchLayout, torch.Tensor | None, list[torch.Tensor]]:
+        """One step on this rank, from the message alone: bring the held requests up to
+        date, run this rank's part of the forward, and compute the logits of the rows the
+        message names (a collective over the tensor-parallel ranks of the last stage). The
+        driver gets the hidden states (None under pipeline parallelism: they stay on the
+        last stage) and the logits (sent to it from the last stage)."""
+        tokens, tables = self.held.apply(msg)
+        layout = self._layout(tokens, [s.num_computed_tokens for s in msg.scheduled],
+                              [s.num_new_tokens for s in msg.scheduled], tables)
+        hidden = self._forward(layout, AttentionContext(self.builder.build(layout), self.kv_caches))
+        logits: list[torch.Tensor] = []
+        if hidden is not None:
+            final = hidden
+            if self.proposer is not None and self.proposer.aux_hidden_state_layers:  # inner layers ride along
+                final = hidden.chunk(1 + len(self.proposer.aux_hidden_state_layers), dim=-1)[0]
+            logits = [self.model.compute_logits(final[torch.tensor(rows, device=self.device)])
+                      for rows in msg.logit_rows]
+        pp, parallel = self.parallel.pp, self.parallel
+        if pp.size > 1 and msg.logit_rows:  # the last stage's first rank hands the logits to the driver
+            if pp.last and parallel.tp.first:
+                parallel.world.send_tensors({str(i): t for i, t in enumerate(logits)}, 0)
+            elif parallel.is_driver:
+                got = parallel.world.recv_tensors(parallel.world.size - parallel.tp.size, self.device)
+                logits = [got[str(i)] for i in range(len(got))]
+        return layout, hidden, logits
+
+    def execute(self, out: SchedulerOutput, send: Any = None) -> StepResult:
+        """The driver's step: the message every rank runs (`send` hands it to the others),
+        then sampling, prompt logprobs and the proposer's view of the step."""
         entries = out.scheduled
         if self.proposer is not None:
             for request_id in out.preempted_ids:
                 self.proposer.forget(request_id)
-        tokens = []
-        for e in entries:
-            ids = e.request.all_token_ids
-            start, end = e.num_computed_tokens, e.num_computed_tokens + e.num_new_tokens
-            tokens.append(ids[start:end] if not e.spec_token_ids else ids[start:] + list(e.spec_token_ids))
-        layout = self._layout(tokens, [e.num_computed_tokens for e in entries],
-                              [e.num_new_tokens for e in entries], [list(e.block_ids) for e in entries])
-        attn = AttentionContext(self.builder.build(layout), self.kv_caches)
-        if self.graph_runner is not None:
-            hidden = self.graph_runner(layout, attn)
-        else:
-            hidden = self.model(layout.input_ids, layout.positions, attn)
-        aux: list[torch.Tensor] = []
-        if self.proposer is not None and self.proposer.aux_hidden_state_layers:
-            hidden, *aux = hidden.chunk(1 + len(self.proposer.aux_hidden_state_layers), dim=-1)
+        ends = np.cumsum([e.num_new_tokens for e in entries])
+        sampling = [i for i, e in enumerate(entries) if e.samples]
+        verify = any(entries[i].spec_token_ids for i in sampling)
+        prompt_rows = self._prompt_logprob_rows(entries, ends)
+        if not sampling:
+            sample_rows: list[int] = []
+        elif not verify:
+            sample_rows = [int(ends[i]) - 1 for i in sampling]
+        else:  # a verify step: the rows of each request's next token and of its drafts
+            sample_rows = [r for i in sampling for r in range(int(ends[i]) - 1 - len(entries[i].spec_token_ids),
+                                                              int(ends[i]))]
+        rows = [r for _, _, r in prompt_rows] + ([sample_rows] if sample_rows else [])
+        msg = self.encoder.encode(out, rows)
+        if send is not None:
+            send(msg)
+        layout, hidden, logits = self.run(msg)
         if self.proposer is not None and self.proposer.needs_target_step:
+            aux: list[torch.Tensor] = []
+            if self.proposer.aux_hidden_state_layers:
+                hidden, *aux = hidden.chunk(1 + len(self.proposer.aux_hidden_state_layers), dim=-1)
             self._last_step = TargetStep(layout, hidden, aux, {e.request.request_id: i for i, e in enumerate(entries)},
                                          [e.request.all_token_ids for e in entries], [e.samples for e in entries])
             self.proposer.observe(self._last_step)
-        prompt_logprobs = self._prompt_logprobs(entries, hidden, layout)
-        sampling = [i for i, e in enumerate(entries) if e.samples]
+        prompt_logprobs = self._prompt_logprobs(entries, prompt_rows, logits)
         if not sampling:
             return StepResult({}, {}, prompt_logprobs)
         requests: list[Request] = [entries[i].request for i in sampling]
-        ends = layout.query_start_loc_cpu[1:]
-        if not any(entries[i].spec_token_ids for i in sampling):
-            rows = (ends[sampling] - 1).to(self.device)
-            logits = self.model.compute_logits(hidden[rows])
-            result: SamplerOutput = self.sampler(logits, requests)
+        if not verify:
+            result: SamplerOutput = self.sampler(logits[-1], requests)
             sampled = {r.request_id: [t] for r, t in zip(requests, result.token_ids)}
             logprobs = {r.request_id: [lp] for r, lp in zip(requests, result.logprobs) if lp is not None}
             return StepResult(sampled, logprobs, prompt_logprobs)
-        # a verify step: the rows of each request's next token and of its drafts
         drafts = [entries[i].spec_token_ids for i in sampling]
-        last = ends[sampling].tolist()
-        rows_list = [r for end, d in zip(last, drafts) for r in range(end - 1 - len(d), end)]
-        logits = self.model.compute_logits(hidden[torch.tensor(rows_list, device=self.device)])
-        token_lists, logprob_lists = self.sampler.verify(logits, requests, drafts)
+        token_lists, logprob_lists = self.sampler.verify(logits[-1], requests, drafts)
         sampled = {r.request_id: ts for r, ts in zip(requests, token_lists)}
         logprobs = {r.request_id: lps for r, lps in zip(requests, logprob_lists) if r.params.logprobs is not None}
         return StepResult(sampled, logprobs, prompt_logprobs)
 
-    def _prompt_logprobs(self, entries: Sequence[Any], hidden: torch.Tensor,
-                         layout: BatchLayout) -> dict[str, list[tuple[int, Any]]]:
-        """Logprobs of the prompt tokens this step's prefill rows predict, for the requests
-        that ask for them: the row at position p scores prompt token p + 1. Logits are made
-        PROMPT_LOGPROBS_SLICE rows at a time, so a long chunk never holds a chunk x vocab
-        tensor; positions recorded before (a recompute after preemption) are skipped."""
-        out: dict[str, list[tuple[int, Any]]] = {}
-        starts = layout.query_start_loc_cpu.tolist()
+    def _prompt_logprob_rows(self, entries: Sequence[Any], ends: np.ndarray) -> list[tuple[int, int, list[int]]]:
+        """For the requests asking prompt logprobs: (entry index, first prompt position
+        scored, hidden rows) per slice of at most PROMPT_LOGPROBS_SLICE rows, so a long chunk
+        never makes a chunk x vocab tensor. The row at position p scores prompt token p + 1;
+        positions recorded before (a recompute after preemption) are skipped."""
+        out = []
         for i, e in enumerate(entries):
             req = e.request
             if req.prompt_logprobs is None:
                 continue
             first = max(e.num_computed_tokens, len(req.prompt_logprobs) - 1)  # positions scored
             last = min(e.num_computed_tokens + e.num_new_tokens, req.num_prompt_tokens - 1)
-            if first >= last:
-                continue
-            k = req.params.prompt_logprobs
-            entries_out: list[tuple[int, Any]] = []
+            start = int(ends[i]) - e.num_new_tokens
             for lo in range(first, last, PROMPT_LOGPROBS_SLICE):
                 hi = min(last, lo + PROMPT_LOGPROBS_SLICE)
-                rows = torch.arange(lo, hi, device=self.device) - e.num_computed_tokens + starts[i]
-                targets = req.prompt_token_ids[lo + 1:hi + 1]
-                logits = self.model.compute_logits(hidden[rows]).float()
-                found = logprob_entries(logits, torch.tensor(targets, device=self.device), [k] * len(targets))
-                entries_out.extend(zip(targets, found))
-            out[req.request_id] = entries_out
+                out.append((i, lo, [p - e.num_computed_tokens + start for p in range(lo, hi)]))
+        return out
+
+    def _prompt_logprobs(self, entries: Sequence[Any], rows: list[tuple[int, int, list[int]]],
+                         logits: list[torch.Tensor]) -> dict[str, list[tuple[int, Any]]]:
+        """(prompt token, logprob entry) per position scored by this step's prompt rows
+        (`_prompt_logprob_rows`, whose logits come first in `logits`)."""
+        out: dict[str, list[tuple[int, Any]]] = {}
+        for (i, lo, slice_rows), slice_logits in zip(rows, logits):
+            req = entries[i].request
+            targets = req.prompt_token_ids[lo + 1:lo + 1 + len(slice_rows)]
+            found = logprob_entries(slice_logits.float(), torch.tensor(targets, device=self.device),
+                                    [req.params.prompt_logprobs] * len(targets))
+            out.setdefault(req.request_id, []).extend(zip(targets, found))
         return out
 
     @torch.inference_mode()
@@ -473,8 +556,23 @@ class Worker:
 
     def forget(self, request_id: str) -> None:
         self.sampler.forget(request_id)
+        self.encoder.forget(request_id)
         if self.proposer is not None:
             self.proposer.forget(request_id)
+
+
+def check_split(config: EngineConfig, source: ModelSource, registry: PluginRegistry) -> None:
+    """Whether this model splits over the configured ranks (heads over tensor-parallel
+    ranks, layers over stages): a ValueError / NotImplementedError saying what to change."""
+    model_cls = registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
+    p = config.parallel
+    if not model_cls.supports_parallel:
+        raise NotImplementedError(
+            f"{model_cls.__name__} cannot be split over ranks yet (tensor_parallel_size={p.tensor_parallel_size}, "
+            f"pipeline_parallel_size={p.pipeline_parallel_size}); run it on one rank")
+    spec = model_cls.kv_cache_spec(source.hf_config)
+    spec.for_tensor_parallel(p.tensor_parallel_size)
+    stage_layers(spec.num_layers, p.pipeline_parallel_size, 0)
 
 
 def _even_out(batch: ProposalBatch, drafts: list[list[int]], caps: list[int]) -> dict[str, list[int]]:

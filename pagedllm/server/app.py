@@ -121,3 +121,6 @@ def run_server(app: Starlette, settings: ServerSettings) -> None:
     server.run()
     if not server.started:
         raise SystemExit(3)
+    if state.engine.dead_error is not None:
+        logger.error("exiting: %s", state.engine.dead_error)
+        raise SystemExit(1)

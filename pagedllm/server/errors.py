@@ -16,6 +16,8 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from pagedllm.core.executor import EngineDeadError
+
 logger = logging.getLogger("pagedllm.server")
 
 # OpenAI's error `type` per status; the `code` says which kind of mistake it was.
@@ -67,11 +69,14 @@ def api_error_response(exc: APIError) -> JSONResponse:
 
 def from_engine_error(exc: BaseException) -> APIError:
     """Map an exception a request's stream raised: the engine rejects bad input with
-    ValueError (a 400); any other failure is the engine's (a 500)."""
+    ValueError (a 400); a dead engine (a rank failed) is a 503; any other failure is the
+    engine's (a 500)."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, ValueError):
         return APIError(str(exc), 400, code="invalid_value")
+    if isinstance(exc, EngineDeadError):  # a rank is gone: the server is about to exit
+        return APIError(str(exc), 503, code="engine_dead")
     return APIError(f"the engine failed on this request: {exc}", 500, code="engine_error")
 
 

@@ -10,7 +10,7 @@ a process.
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -38,50 +38,50 @@ class _EngineCollector(Collector):
         self.model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        core = self.engine.engine
-        stats = core.stats
-        labels = ["model_name"]
-        values = [self.model_name]
+        """One series per engine (label `engine`: the data-parallel replica, "0" alone), as vLLM."""
+        engines = getattr(self.engine, "engines", None) or [self.engine.engine]
+        labels = ["model_name", "engine"]
+        families: dict[str, Any] = {}
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
+        def add(kind: type, name: str, doc: str, index: int, value: float, extra: dict[str, str] | None = None) -> None:
+            key = PREFIX + name
+            if key not in families:
+                families[key] = kind(key, doc, labels=labels + list(extra or {}))
+            families[key].add_metric([self.model_name, str(index), *(extra or {}).values()], value)
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(PREFIX + name, doc, labels=labels)
-            family.add_metric(values, value)
-            return family
-
-        yield gauge("num_requests_running", "Sequences in the running batch.", core.num_running)
-        yield gauge("num_requests_waiting", "Sequences waiting to be scheduled.", core.num_waiting)
-        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).",
-                    core.block_manager.usage)
-        yield gauge("prefix_cache_hit_rate", "Fraction of queried prompt tokens found in the prefix cache.",
-                    core.block_manager.prefix_hit_rate)
-        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      core.block_manager.num_query_tokens)
-        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                      core.block_manager.num_hit_tokens)
-        yield gauge("max_num_seqs_per_step", "Most sequences batched in one engine step so far.",
-                    stats.max_seqs_in_step)
-        recent = stats.seqs_per_step[-100:]
-        yield gauge("avg_num_seqs_per_step", "Mean sequences per step over the last 100 steps.",
-                    sum(recent) / len(recent) if recent else 0.0)
-        yield counter("prompt_tokens", "Prompt tokens received (per sequence).", stats.num_prompt_tokens)
-        yield counter("generation_tokens", "Tokens generated.", stats.num_generation_tokens)
-        yield counter("engine_steps", "Engine steps run.", stats.num_steps)
-        if core.spec_config is not None:
-            spec = core.scheduler.spec_stats
-            yield counter("spec_decode_num_drafts", "Proposals verified (one per request per step).", spec.num_drafts)
-            yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", spec.num_draft_tokens)
-            yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec.num_accepted_tokens)
-            family = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
-                                         "Draft tokens accepted at each draft position.",
-                                         labels=labels + ["position"])
-            for position, count in enumerate(spec.accepted_per_position):
-                family.add_metric(values + [str(position)], count)
-            yield family
+        for i, core in enumerate(engines):
+            stats = core.stats
+            add(GaugeMetricFamily, "num_requests_running", "Sequences in the running batch.", i, core.num_running)
+            add(GaugeMetricFamily, "num_requests_waiting", "Sequences waiting to be scheduled.", i, core.num_waiting)
+            add(GaugeMetricFamily, "kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0-1).", i,
+                core.block_manager.usage)
+            add(GaugeMetricFamily, "prefix_cache_hit_rate",
+                "Fraction of queried prompt tokens found in the prefix cache.", i, core.block_manager.prefix_hit_rate)
+            add(CounterMetricFamily, "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", i,
+                core.block_manager.num_query_tokens)
+            add(CounterMetricFamily, "prefix_cache_hits", "Prompt tokens found in the prefix cache.", i,
+                core.block_manager.num_hit_tokens)
+            add(GaugeMetricFamily, "max_num_seqs_per_step", "Most sequences batched in one engine step so far.", i,
+                stats.max_seqs_in_step)
+            recent = stats.seqs_per_step[-100:]
+            add(GaugeMetricFamily, "avg_num_seqs_per_step", "Mean sequences per step over the last 100 steps.", i,
+                sum(recent) / len(recent) if recent else 0.0)
+            add(CounterMetricFamily, "prompt_tokens", "Prompt tokens received (per sequence).", i,
+                stats.num_prompt_tokens)
+            add(CounterMetricFamily, "generation_tokens", "Tokens generated.", i, stats.num_generation_tokens)
+            add(CounterMetricFamily, "engine_steps", "Engine steps run.", i, stats.num_steps)
+            if core.spec_config is not None:
+                spec = core.scheduler.spec_stats
+                add(CounterMetricFamily, "spec_decode_num_drafts", "Proposals verified (one per request per step).",
+                    i, spec.num_drafts)
+                add(CounterMetricFamily, "spec_decode_num_draft_tokens", "Draft tokens verified.", i,
+                    spec.num_draft_tokens)
+                add(CounterMetricFamily, "spec_decode_num_accepted_tokens", "Draft tokens accepted.", i,
+                    spec.num_accepted_tokens)
+                for position, count in enumerate(spec.accepted_per_position):
+                    add(CounterMetricFamily, "spec_decode_num_accepted_tokens_per_pos",
+                        "Draft tokens accepted at each draft position.", i, count, {"position": str(position)})
+        yield from families.values()
 
 
 class ServerMetrics:

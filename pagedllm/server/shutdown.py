@@ -37,6 +37,8 @@ logger = logging.getLogger("pagedllm.server")
 # that reads nothing cannot take it, and uvicorn cancels what is left after its own grace.
 ENDING_GRACE_S = 5.0
 UVICORN_GRACE_S = 2
+# after the engine died on its own, how long /health answers 503 before the server exits
+DEAD_ENGINE_GRACE_S = 2.0
 
 
 def shutdown_error() -> APIError:
@@ -125,6 +127,7 @@ class DrainingServer(uvicorn.Server):
         self.timeout = timeout
         self.signals = 0
         self._drain: asyncio.Task | None = None
+        self.dead_since: float | None = None
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """The signal handler: runs between two bytecodes of the main thread, so it only
@@ -136,6 +139,15 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = self.force_exit = True
 
     async def on_tick(self, counter: int) -> bool:
+        dead = self.engine.dead_error
+        if dead is not None and not self.should_exit:
+            # the engine stopped on its own (a rank failed): /health answers 503 meanwhile,
+            # then the server exits, non-zero (run_server), so a supervisor restarts it
+            if self.dead_since is None:
+                self.dead_since = time.monotonic()
+                logger.error("the engine is dead (%s): exiting in %.0f s", dead, DEAD_ENGINE_GRACE_S)
+            elif time.monotonic() - self.dead_since >= DEAD_ENGINE_GRACE_S:
+                self.should_exit = True
         if self.signals and self._drain is None:
             self._drain = asyncio.create_task(self.lifecycle.drain(self.engine, self.timeout))
         elif self._drain is not None and self._drain.done() and not self.should_exit:

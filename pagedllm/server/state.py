@@ -53,6 +53,8 @@ class ServerSettings:
     exclude_tools_when_tool_choice_none: bool = opt(False, "Leave the tools out of the prompt when a request's "
                                                     "tool_choice is \"none\" (default: they are rendered, as "
                                                     "vLLM does).", "server")
+    api_server_count: int = opt(1, "vLLM's API server processes: accepted; one asyncio process serves every "
+                                "engine replica here (a value above 1 is logged as such).", "server")
     uvicorn_log_level: str = opt("info", "Log level of uvicorn's access and error logs.", "server",
                                  choices=["critical", "error", "warning", "info", "debug", "trace"])
     header_timeout: float = opt(10.0, "Seconds a client has to send a request's line and headers, from "
@@ -72,6 +74,8 @@ class ServerSettings:
                                   "meanwhile.", "server")
 
     def __post_init__(self) -> None:
+        if self.api_server_count < 1:
+            raise ValueError(f"--api-server-count must be >= 1, got {self.api_server_count}")
         for name in ("header_timeout", "body_timeout", "keep_alive_timeout", "max_connections"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")

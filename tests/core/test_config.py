@@ -16,8 +16,13 @@ def test_kwargs_are_distributed_and_validated():
         EngineConfig.from_kwargs(block_size=24)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         EngineConfig.from_kwargs(gpu_memory_utilization=1.5)
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size=2"):
-        EngineConfig.from_kwargs(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+        EngineConfig.from_kwargs(tensor_parallel_size=0)
+    parallel = EngineConfig.from_kwargs(tensor_parallel_size=2, pipeline_parallel_size=2).parallel
+    assert parallel.world_size == 4 and parallel.executor_backend == "mp"
+    assert EngineConfig.from_kwargs().parallel.executor_backend == "uni"
+    with pytest.raises(ValueError, match="data_parallel_rank=2 is outside"):
+        EngineConfig.from_kwargs(data_parallel_size=2, data_parallel_rank=2)
 
 
 def test_budget_without_chunked_prefill_must_cover_context():

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from pagedllm.core.config import EngineConfig
+from pagedllm.core.data_parallel import async_engine
 from pagedllm.core.engine import AsyncLLMEngine
 from pagedllm.server.app import ServerSettings, build_app, uvicorn_options
 from tests._uvicorn import serve_in_thread
@@ -63,7 +64,7 @@ def make_engine(model: str, **overrides: Any) -> AsyncLLMEngine:
     kwargs: dict[str, Any] = dict(model=model, served_model_name=MODEL_NAME, kv_cache_memory=8 << 20,
                                   device="cpu", seed=0)
     kwargs.update(overrides)
-    return AsyncLLMEngine.from_config(EngineConfig.from_kwargs(**kwargs))
+    return async_engine(EngineConfig.from_kwargs(**kwargs))
 
 
 @contextmanager

@@ -25,7 +25,7 @@ Data crossing a boundary is a frozen dataclass; behaviour is a small ABC.
 from pagedllm.core.contracts.attention import BatchLayout, AttentionSpec, AttentionMetadataBuilder, AttentionImpl, GraphSupport, AttentionBackend, AttentionContext, KV_CACHE_TORCH_DTYPES, kv_cache_torch_dtype
 from pagedllm.core.contracts.quant import LinearMethod, EmbeddingMethod, MoEMethod, QuantConfig, skip_matches
 from pagedllm.core.contracts.spec import CORE_KEYS as SPEC_CORE_KEYS, DraftModel, ProposalBatch, ProposerContext, SpecDecodeConfig, SpecProposer, TargetStep
-from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat
+from pagedllm.core.contracts.model import KVCacheSpec, ModelContext, CausalLM, CheckpointFormat, IntermediateTensors
 from pagedllm.core.contracts.runtime import OpImpl, GraphRunner
 from pagedllm.core.contracts.logits import LogitsProcessor, LogitsProcessorContext, LogitsProcessorFactory, bitmask_bias, bitmask_empty, bitmask_words, pack_bitmask, unpack_bitmask
 from pagedllm.core.contracts.tools import ParsedTools, ToolCall, ToolParser, ToolSpec
@@ -43,6 +43,7 @@ __all__ = [
     "EmbeddingMethod",
     "GraphRunner",
     "GraphSupport",
+    "IntermediateTensors",
     "KVCacheSpec",
     "KV_CACHE_TORCH_DTYPES",
     "LinearMethod",

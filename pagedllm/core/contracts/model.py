@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Iterator
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from pagedllm.core.contracts.attention import AttentionBackend, AttentionContext, AttentionSpec
 from pagedllm.core.contracts.quant import QuantConfig
+from pagedllm.core.parallel import ParallelState
 
 
 @dataclass(frozen=True)
@@ -77,12 +79,33 @@ class KVCacheSpec:
             return None
         return max(windows)  # type: ignore[type-var]
 
-    def bytes_per_token(self, element_size: int) -> int:
+    def for_tensor_parallel(self, tp_size: int) -> "KVCacheSpec":
+        """The facts one of `tp_size` tensor-parallel ranks sees: its share of the query
+        heads and of the KV heads, a KV head replicated on several ranks when there are
+        fewer KV heads than ranks (MLA's one latent is every rank's)."""
+        if tp_size == 1:
+            return self
+        if self.num_heads % tp_size:
+            raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {self.num_heads} "
+                             "attention heads; pick a size that does")
+        kv_heads = self.num_kv_heads
+        if self.latent_size is None:
+            if kv_heads >= tp_size and kv_heads % tp_size:
+                raise ValueError(f"tensor_parallel_size={tp_size} does not divide the model's {kv_heads} KV heads")
+            if kv_heads < tp_size and tp_size % kv_heads:
+                raise ValueError(f"tensor_parallel_size={tp_size} is not a multiple of the model's {kv_heads} "
+                                 "KV heads (each KV head must be replicated on the same number of ranks)")
+            kv_heads = max(1, kv_heads // tp_size)
+        return dataclasses.replace(self, num_heads=self.num_heads // tp_size, num_kv_heads=kv_heads)
+
+    def bytes_per_token(self, element_size: int, layers: int | None = None) -> int:
         """Cache bytes one token takes across every layer: MLA's latent, or K and V per
-        KV head (2 x layers x kv_heads x head_dim x element size)."""
+        KV head (2 x layers x kv_heads x head_dim x element size). `layers`: count only
+        that many layers (a pipeline stage's)."""
+        layers = self.num_layers if layers is None else layers
         if self.latent_size is not None:
-            return self.num_layers * self.latent_size * element_size
-        return 2 * self.num_layers * self.num_kv_heads * self.head_size * element_size
+            return layers * self.latent_size * element_size
+        return 2 * layers * self.num_kv_heads * self.head_size * element_size
 
 
 @dataclass
@@ -98,6 +121,9 @@ class ModelContext:
     quant_config: QuantConfig | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     matmul_precision: str = "highest"  # the worker's (core/precision.py), for AttentionSpec
+    # this rank and its groups: tensor-parallel layers split by `parallel.tp`, a pipeline
+    # stage builds only `parallel.stage_layers(n)`; one rank unless the engine asks for more
+    parallel: ParallelState = field(default_factory=ParallelState.single)
 
     def attention_spec(self, num_heads: int, num_kv_heads: int, head_size: int, kind: str = "mha",
                        value_size: int | None = None) -> AttentionSpec:
@@ -107,6 +133,18 @@ class ModelContext:
         return AttentionSpec(num_heads=num_heads, num_kv_heads=num_kv_heads, head_size=head_size, dtype=self.dtype,
                              kv_cache_dtype=self.kv_cache_dtype, block_size=self.block_size, device=self.device,
                              matmul_precision=self.matmul_precision, kind=kind, value_size=value_size)
+
+
+@dataclass
+class IntermediateTensors:
+    """What a pipeline stage hands the next one: named [num_tokens, ...] tensors (Llama's:
+    the hidden state and the residual). The worker sends them on; the next stage's
+    `forward` receives them in place of input ids."""
+
+    tensors: dict[str, torch.Tensor]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
 
 
 class CausalLM(nn.Module, ABC):
@@ -126,11 +164,19 @@ class CausalLM(nn.Module, ABC):
         super().__init__()
         self.context = context
 
+    # whether the class splits itself over `context.parallel` (tensor-parallel layers,
+    # pipeline stages); the worker refuses more than one rank for a class that does not
+    supports_parallel: ClassVar[bool] = False
+
     @abstractmethod
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext
-    ) -> torch.Tensor:
-        """Hidden states [num_tokens, hidden_size] for the flattened batch."""
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
+        intermediate: IntermediateTensors | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
+        """Hidden states [num_tokens, hidden_size] for the flattened batch. Under pipeline
+        parallelism a stage other than the first gets the previous stage's `intermediate`
+        (and still the step's input_ids and positions), and a stage other than the last
+        returns its IntermediateTensors instead of hidden states."""
 
     def get_input_embeddings(self) -> nn.Module:
         """The token embedding (`module(input_ids)` -> [n, hidden]): an EAGLE head without

@@ -20,6 +20,11 @@ class LinearMethod(ABC):
     The unquantized method is the default, so a layer never asks "am I quantized?".
     """
 
+    # whether its parameters load a tensor-parallel rank's slice (`create_weights` gets
+    # the rank's sizes; the layer narrows checkpoint tensors): a layer refuses more than
+    # one tensor-parallel rank with a method that does not
+    supports_tensor_parallel: ClassVar[bool] = False
+
     @abstractmethod
     def create_weights(
         self,
@@ -47,6 +52,9 @@ class EmbeddingMethod(ABC):
     Quantized checkpoints (GGUF stores token_embd in Q8_0 or Q6_K) may keep the matrix in
     their own blocks; the default method keeps one dense tensor.
     """
+
+    # as LinearMethod's: whether it holds one rank's vocabulary rows
+    supports_tensor_parallel: ClassVar[bool] = False
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, vocab_size: int, hidden_size: int, params_dtype: torch.dtype) -> None:
@@ -79,6 +87,11 @@ class MoEMethod(ABC):
     `shard` 0 gate / 1 up of w13 (None: the whole parameter of that expert, e.g. w2 or a
     fused gate_up).
     """
+
+    # whether it holds one rank's share of the experts: `num_experts` and
+    # `intermediate_size` are the rank's (expert parallel: its experts; tensor parallel:
+    # every expert's slice), and its loaders take the rank's part of checkpoint tensors
+    supports_tensor_parallel: ClassVar[bool] = False
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, num_experts: int, hidden_size: int, intermediate_size: int,

@@ -26,6 +26,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -177,25 +178,32 @@ class _Recorder:
         return call
 
 
-_recorder: _Recorder | None = None
+class _Recording(threading.local):
+    """The recorder of the step this thread records, if any: per thread, so that engines
+    stepping in other threads (data-parallel replicas) are neither recorded nor stopped."""
+
+    recorder: "_Recorder | None" = None
+
+
+_recording = _Recording()
 
 
 @contextlib.contextmanager
 def recording() -> Iterator[list[tuple[str, Any, tuple, Any]]]:
-    """Within the block, every kernel call made by the wrappers below runs and is also
-    appended to the yielded list as (kernel name, ctypes function, arguments, return
-    value): what a step replayer needs to call them again. Not re-entrant."""
-    global _recorder
-    if _recorder is not None:
+    """Within the block, every kernel call this thread makes through the wrappers below
+    runs and is also appended to the yielded list as (kernel name, ctypes function,
+    arguments, return value): what a step replayer needs to call them again. Not
+    re-entrant."""
+    if _recording.recorder is not None:
         raise RuntimeError("native.recording() is already active")
     lib = kernels()
     if lib is None:
         raise RuntimeError("native.recording(): the native CPU kernels are not available here")
-    _recorder = _Recorder(lib)
+    _recording.recorder = recorder = _Recorder(lib)
     try:
-        yield _recorder.calls
+        yield recorder.calls
     finally:
-        _recorder = None
+        _recording.recorder = None
 
 
 def pointer_args(kernel: str) -> list[int]:
@@ -204,7 +212,8 @@ def pointer_args(kernel: str) -> list[int]:
 
 
 def _lib():
-    return _recorder if _recorder is not None else kernels()
+    recorder = _recording.recorder
+    return recorder if recorder is not None else kernels()
 
 
 def _ptr(t: torch.Tensor, name: str, dtype: torch.dtype) -> int:

@@ -267,6 +267,7 @@ class DeepseekModel(LlamaModel):
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    supports_parallel = False  # not split over tensor-parallel ranks or pipeline stages yet
     # the attention projections stay separate layers (their output sizes, e.g. 576, do not
     # split into the 128-row blocks of block-quantized FP8 checkpoints); MLPs fuse gate/up
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}

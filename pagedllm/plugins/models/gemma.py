@@ -228,6 +228,7 @@ class GemmaModel(LlamaModel):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 text checkpoints (config Gemma3TextConfig, model_type gemma3_text)."""
+    supports_parallel = False  # not split over tensor-parallel ranks or pipeline stages yet
 
     attention_cls = GemmaAttention
     decoder_layer_cls = GemmaDecoderLayer

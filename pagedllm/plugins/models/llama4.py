@@ -223,6 +223,7 @@ class Llama4Model(LlamaModel):
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
+    supports_parallel = False  # not split over tensor-parallel ranks or pipeline stages yet
     attention_cls = Llama4Attention
     decoder_layer_cls = Llama4DecoderLayer
     model_cls = Llama4Model
