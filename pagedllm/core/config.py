@@ -45,9 +45,15 @@ def default_model() -> str:
 
 @dataclass
 class ModelConfig:
-    model: str | None = opt(None, "Model path: a Hugging Face directory or a .gguf file "
+    model: str | None = opt(None, "Model: a Hugging Face directory, a .gguf file or a hub name (ORG/NAME: from "
+                            "the Hugging Face cache, else downloaded) "
                             "(default: the bundled SmolLM2-135M-Instruct GGUF).", "model")
-    tokenizer: str | None = opt(None, "Tokenizer path (default: the model's).", "model")
+    tokenizer: str | None = opt(None, "Tokenizer path or hub name (default: the model's).", "model")
+    revision: str | None = opt(None, "The hub revision (branch, tag or commit) of a model given by name "
+                               "(default: main).", "model")
+    download_dir: str | None = opt(None, "Hugging Face cache directory to find and download hub models in "
+                                   "(default: HF_HUB_CACHE, else HF_HOME/hub, else ~/.cache/huggingface/hub).",
+                                   "model")
     dtype: str = opt("auto", "Compute dtype: auto (the checkpoint's torch_dtype; float32 "
                      "for GGUF on CPU), float32, float16, bfloat16.", "model",
                      choices=["auto", "half", "float16", "bfloat16", "float", "float32"])

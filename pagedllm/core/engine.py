@@ -25,7 +25,7 @@ from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.config import EngineConfig, default_model
 from pagedllm.core.contracts import LogitsProcessorContext, LogitsProcessorFactory
 from pagedllm.core.detokenizer import IncrementalDetokenizer
-from pagedllm.core.loader import derived_max_model_len, open_model
+from pagedllm.core.loader import derived_max_model_len, open_configured_model
 from pagedllm.core.plugins import get_registry
 from pagedllm.core.request import (
     CompletionOutput,
@@ -72,9 +72,7 @@ class LLMEngine:
         registry = get_registry()
         path = config.model.model or default_model()
         self.model_path = path
-        source = open_model(path, config.model.load_format, registry, config.plugin_options,
-                            tokenizer=config.model.tokenizer, hf_overrides=config.model.hf_config_overrides(),
-                            trust_remote_code=config.model.trust_remote_code)
+        source = open_configured_model(config, registry)
         self.tokenizer = source.tokenizer
         self.hf_config = source.hf_config
         # token facts (length, vocabulary, eos) are the language model's: a composite
@@ -84,7 +82,7 @@ class LLMEngine:
         self.payoff = PayoffGuard(self.spec_config.num_speculative_tokens if self.spec_config else 0)
         self._propose_s = 0.0
         # ranks in other processes open the same model (the default one by its path)
-        rank_config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=path))
+        rank_config = dataclasses.replace(config, model=dataclasses.replace(config.model, model=source.path))
         if config.parallel.world_size > 1:  # what every rank would refuse, refused before any starts
             check_split(config, source, registry)
         self.executor = make_executor(rank_config, lambda state: Worker(
@@ -96,7 +94,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs, budget,
                                    self.max_model_len, config.scheduler.enable_chunked_prefill,
                                    num_lookahead_slots=proposer.num_lookahead_slots if proposer else 0)
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.hf_config, text_config, path)
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.hf_config, text_config, source.path)
         self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.vocab_size = text_config.vocab_size
         self.logits_factories = self._logits_factories(registry, config)

@@ -151,13 +151,11 @@ def worker_factory(config: EngineConfig) -> WorkerFactory:
     else): the model opened and its limits derived as the engine derives them."""
     def make(state: ParallelState) -> Worker:
         from pagedllm.core.engine import engine_limits
-        from pagedllm.core.loader import open_model
+        from pagedllm.core.loader import open_configured_model
         from pagedllm.core.plugins import get_registry
 
         registry = get_registry()
-        source = open_model(config.model.model, config.model.load_format, registry, config.plugin_options,
-                            tokenizer=config.model.tokenizer, hf_overrides=config.model.hf_config_overrides(),
-                            trust_remote_code=config.model.trust_remote_code)
+        source = open_configured_model(config, registry)
         max_model_len, budget, spec_config = engine_limits(config, source, registry)
         return Worker(config, source, registry, max_model_len, budget, spec_config, state)
     return make

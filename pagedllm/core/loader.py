@@ -21,6 +21,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from pagedllm.core.contracts import CheckpointFormat
+from pagedllm.core.hub import looks_like_hub_name, resolve_model
 from pagedllm.core.plugins import PluginRegistry
 
 logger = logging.getLogger("pagedllm")
@@ -87,6 +88,17 @@ class HFDirectory(CheckpointFormat):
         return None
 
 
+def open_configured_model(config: Any, registry: PluginRegistry) -> ModelSource:
+    """The engine's model as its EngineConfig names it (the bundled default when none),
+    opened with every model option: what the engine and each of its ranks open."""
+    from pagedllm.core.config import default_model
+
+    m = config.model
+    return open_model(m.model or default_model(), m.load_format, registry, config.plugin_options,
+                      tokenizer=m.tokenizer, hf_overrides=m.hf_config_overrides(),
+                      trust_remote_code=m.trust_remote_code, revision=m.revision, download_dir=m.download_dir)
+
+
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
@@ -123,13 +135,16 @@ def mapped_safetensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
 
 def open_model(path: str, load_format: str, registry: PluginRegistry, options: dict[str, Any],
                tokenizer: str | None = None, hf_overrides: dict[str, Any] | None = None,
-               trust_remote_code: bool = False) -> ModelSource:
+               trust_remote_code: bool = False, revision: str | None = None,
+               download_dir: str | None = None) -> ModelSource:
     """Open `path` with the format that fits it (plugins first when load_format is auto);
     `hf_overrides` are applied to its config before anything reads it; `trust_remote_code`
-    lets transformers run a repository's own config / tokenizer code (`auto_map`)."""
-    if not os.path.exists(path):
-        raise ValueError(f"model path {path!r} does not exist (pagedllm reads local files; it does not "
-                         "download from a model hub)")
+    lets transformers run a repository's own config / tokenizer code (`auto_map`). A hub
+    name (ORG/NAME) for the model or the tokenizer is resolved first (core/hub.py):
+    the returned source's `path` is local."""
+    path = resolve_model(path, revision, download_dir)
+    if tokenizer and looks_like_hub_name(tokenizer):
+        tokenizer = resolve_model(tokenizer, None, download_dir, what="tokenizer")
     fmt = registry.checkpoint_format(load_format, path, options)
     if fmt is None:
         if not HFDirectory.detect(path):

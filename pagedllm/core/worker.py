@@ -266,7 +266,8 @@ class Worker:
         from pagedllm.core.loader import open_model
 
         source = open_model(path, "auto", self.registry, self.config.plugin_options,
-                            trust_remote_code=self.config.model.trust_remote_code)
+                            trust_remote_code=self.config.model.trust_remote_code,
+                            download_dir=self.config.model.download_dir)
         model_cls = self.registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
         kv_spec = model_cls.kv_cache_spec(source.hf_config)
         build_metadata = self._metadata_builder(kv_spec, f"the draft model {path}")
