@@ -10,6 +10,14 @@ A linear layer never asks whether it is quantized: it asks its QuantConfig for a
 LinearMethod and falls back to `UnquantizedLinearMethod`. Fused layers (qkv, gate_up)
 record their sub-matrix sizes, and each parameter knows how to load one shard
 (`weight_loader`), so checkpoint mappings stay data on the model class.
+
+Tensor parallelism (Megatron's split, vLLM's semantics) lives here too: a `Linear` built
+with `parallel="column"` holds this rank's rows of each fused shard, one built with
+`parallel="row"` this rank's columns (its output is summed over the group), and a
+`VocabEmbedding` given a group of several ranks holds one slice of the vocabulary. Each
+split parameter carries the one rule for its part (`tp_dim`, `tp_parts`), read by
+`load_shard`, which narrows a checkpoint tensor to it before copying. With a one-rank group
+(the default) nothing is split and nothing changes.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ from torch import nn
 from pagedllm.core.contracts import (
     AttentionContext,
     EmbeddingMethod,
+    KVCacheSpec,
     LinearMethod,
     ModelContext,
     QuantConfig,
 )
 from pagedllm import ops
+from pagedllm.core.parallel import Group
 # rotary embeddings live in rope.py; re-exported here, where model plugins have imported them from
 from pagedllm.plugins.models.rope import RotaryEmbedding, rope_inv_freq, rope_parameters  # noqa: F401
 
@@ -41,7 +51,14 @@ def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> 
     by 8, GPTQ's qzeros likewise, block scales by their block size. A parameter with
     `per_shard` set has one row per shard instead (e.g. GPTQ's g_idx). A parameter with its
     own `weight_loader` does all of this itself. Values are converted to the parameter's
-    dtype by the copy."""
+    dtype by the copy.
+
+    A tensor-parallel parameter (`tp_dim` set, see `rank_part`) first takes this rank's
+    part of the checkpoint tensor, a view (the mmap-backed tensor is never copied whole);
+    everything above then applies to that part, and a whole-tensor copy fills the first
+    rows of the parameter along `tp_dim` (a vocabulary's padded last part keeps its zero
+    rows)."""
+    loaded = rank_part(param, loaded, shard)
     loader = getattr(param, "weight_loader", None)
     if loader is not None:
         loader(param, loaded, shard)
@@ -53,9 +70,13 @@ def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> 
         target.copy_(loaded)
         return
     if shard is None:
-        if param.shape != loaded.shape:
-            raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded.shape)}")
-        param.data.copy_(loaded)
+        target = param.data
+        tp_dim = getattr(param, "tp_dim", None)
+        if tp_dim is not None and loaded.shape[tp_dim] <= target.shape[tp_dim]:
+            target = target.narrow(tp_dim, 0, loaded.shape[tp_dim])
+        if target.shape != loaded.shape:
+            raise ValueError(f"shape mismatch: parameter {tuple(target.shape)} vs checkpoint {tuple(loaded.shape)}")
+        target.copy_(loaded)
         return
     dim = getattr(param, "output_dim", 0)
     pack = getattr(param, "pack_factor", 1)
@@ -68,6 +89,37 @@ def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> 
     param.data.narrow(dim, start, end - start).copy_(loaded)
 
 
+def split_parameter(param: torch.Tensor, dim: int | None, parts: Sequence[tuple[int, int, int]]) -> None:
+    """Mark `param` as tensor-parallel: along its `dim` it holds, for each shard of its
+    layer, the rows (start, size) of that shard's checkpoint tensor whose full extent is
+    `full` (`parts`: one (start, size, full) per shard, or one for every shard).
+    Rows count logical rows; `rank_part` divides by `pack_factor` along `output_dim`.
+    `dim` None: the parameter is whole on every rank."""
+    param.tp_dim = dim  # type: ignore[attr-defined]
+    param.tp_parts = [tuple(p) for p in parts]  # type: ignore[attr-defined]
+
+
+def rank_part(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> torch.Tensor:
+    """This rank's part of checkpoint tensor `loaded` for `param` (itself when `param` is
+    not split): a narrowed view along `param.tp_dim`, after checking the checkpoint holds
+    the full extent the layer was built for."""
+    dim = getattr(param, "tp_dim", None)
+    if dim is None:
+        return loaded
+    parts = param.tp_parts  # type: ignore[attr-defined]
+    if shard is None and len(parts) > 1:
+        raise ValueError(f"one checkpoint tensor for all {len(parts)} shards of a fused layer cannot be split over "
+                         "tensor-parallel ranks; the checkpoint must store each shard (q/k/v, gate/up) separately")
+    start, size, full = parts[0 if len(parts) == 1 else shard]
+    if dim == getattr(param, "output_dim", 0):
+        pack = getattr(param, "pack_factor", 1)
+        start, size, full = start // pack, -(-size // pack), -(-full // pack)
+    if loaded.dim() <= dim or loaded.shape[dim] != full:
+        raise ValueError(f"shape {tuple(loaded.shape)}: expected {full} rows along dim {dim}, which "
+                         "tensor parallelism splits")
+    return loaded.narrow(dim, start, size)
+
+
 def _offsets(sizes: Sequence[int]) -> list[int]:
     out = [0]
     for s in sizes:
@@ -77,6 +129,8 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
 
 class UnquantizedLinearMethod(LinearMethod):
     """A dense weight [sum(output_sizes), input_size] in the compute dtype."""
+
+    supports_tensor_parallel = True  # its one weight narrows like any tensor (Linear marks it)
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
@@ -93,40 +147,137 @@ class UnquantizedLinearMethod(LinearMethod):
         return packed(x, bias) if packed is not None else F.linear(x, layer.weight, bias)
 
 
+PARALLEL_MODES = (None, "column", "row")
+
+
+def one_rank() -> Group:
+    """A group of this process alone: every collective is a no-op."""
+    return Group([0], 0)
+
+
+def _refuse_unsplittable(method: LinearMethod | EmbeddingMethod, quant_config: QuantConfig | None,
+                         tp: Group) -> None:
+    if tp.size > 1 and not type(method).supports_tensor_parallel:
+        name = quant_config.name if quant_config is not None else type(method).__name__
+        raise NotImplementedError(f"quantization {name} with tensor_parallel_size > 1 is not supported yet; "
+                                  "use an unquantized checkpoint or tensor_parallel_size=1")
+
+
 class Linear(nn.Module):
-    """y = x W^T (+ b) where W may be several fused sub-matrices (q/k/v, gate/up)."""
+    """y = x W^T (+ b) where W may be several fused sub-matrices (q/k/v, gate/up).
+
+    `parallel` splits it over the tensor-parallel group `tp` (Megatron):
+    - None: every rank holds the whole layer (the default; also any layer at tp=1);
+    - "column": each output shard is cut along its rows into `output_parts[i]` equal
+      parts (default tp.size) and rank r holds part r * parts // tp.size, so with fewer
+      parts than ranks a part is replicated (KV heads when tp > num_kv_heads); the output
+      is this rank's columns of y, not gathered;
+    - "row": the input dim is cut into tp.size parts (x arrives already split, e.g. a
+      column layer's output); the partial products are summed over the group
+      (`tp.all_reduce`) and the bias is added once, after the sum.
+    `input_size` and `output_sizes` are the whole layer's (the checkpoint's); the
+    attributes of the same names, and what the LinearMethod's `create_weights` gets, are
+    this rank's."""
 
     def __init__(self, input_size: int, output_sizes: Sequence[int] | int, *, bias: bool = False,
                  quant_config: QuantConfig | None = None, prefix: str = "",
-                 params_dtype: torch.dtype = torch.float32) -> None:
+                 params_dtype: torch.dtype = torch.float32, parallel: str | None = None,
+                 tp: Group | None = None, output_parts: Sequence[int] | None = None) -> None:
         super().__init__()
-        self.output_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
-        self.input_size = input_size
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"{prefix}: parallel={parallel!r}; expected one of {PARALLEL_MODES}")
+        full_sizes = [output_sizes] if isinstance(output_sizes, int) else list(output_sizes)
+        self.tp = tp if tp is not None else one_rank()
+        self.parallel = parallel if self.tp.size > 1 else None
         self.prefix = prefix
         method = quant_config.linear_method(prefix) if quant_config is not None else None
         self.method: LinearMethod = method or UnquantizedLinearMethod()
-        self.method.create_weights(self, input_size, self.output_sizes, params_dtype)
+        if self.parallel is not None:
+            _refuse_unsplittable(self.method, quant_config, self.tp)
+        out_parts = self._output_parts(full_sizes, output_parts)
+        in_part = self._input_part(input_size)
+        self.output_sizes = [size for _, size, _ in out_parts]
+        self.input_size = in_part[1]
+        self.method.create_weights(self, self.input_size, self.output_sizes, params_dtype)
         if bias:
-            b = nn.Parameter(torch.zeros(sum(self.output_sizes), dtype=params_dtype), requires_grad=False)
-            b.output_offsets = _offsets(self.output_sizes)  # type: ignore[attr-defined]
+            rows = self.output_sizes if self.parallel != "row" else full_sizes
+            b = nn.Parameter(torch.zeros(sum(rows), dtype=params_dtype), requires_grad=False)
+            b.output_offsets = _offsets(rows)  # type: ignore[attr-defined]
             self.bias = b
         else:
             self.bias = None
+        if self.parallel is not None:
+            self._mark_split(out_parts, in_part)
+
+    def _output_parts(self, sizes: list[int], parts: Sequence[int] | None) -> list[tuple[int, int, int]]:
+        """(start, size, full) of this rank's rows of each output shard."""
+        if self.parallel != "column":
+            return [(0, s, s) for s in sizes]
+        tp = self.tp
+        counts = list(parts) if parts is not None else [tp.size] * len(sizes)
+        if len(counts) != len(sizes):
+            raise ValueError(f"{self.prefix}: output_parts names {len(counts)} shards, the layer has {len(sizes)}")
+        out = []
+        for i, (size, count) in enumerate(zip(sizes, counts)):
+            if count < 1 or tp.size % count or size % count:
+                raise ValueError(f"{self.prefix}: output shard {i} ({size} rows) cannot be cut into {count} equal "
+                                 f"parts shared by tensor_parallel_size={tp.size} ranks")
+            piece = size // count
+            out.append(((tp.rank * count // tp.size) * piece, piece, size))
+        return out
+
+    def _input_part(self, size: int) -> tuple[int, int, int]:
+        """(start, size, full) of this rank's input columns."""
+        if self.parallel != "row":
+            return (0, size, size)
+        if size % self.tp.size:
+            raise ValueError(f"{self.prefix}: input size {size} does not split over "
+                             f"tensor_parallel_size={self.tp.size} ranks")
+        piece = size // self.tp.size
+        return (self.tp.rank * piece, piece, size)
+
+    def _mark_split(self, out_parts: list[tuple[int, int, int]], in_part: tuple[int, int, int]) -> None:
+        """Tell each parameter the method registered (and the bias) which part it holds. A
+        method may have set `tp_dim` itself (None: whole on every rank)."""
+        for name, param in self.named_parameters(recurse=False):
+            if hasattr(param, "tp_dim"):
+                continue
+            if self.parallel == "column":
+                split_parameter(param, getattr(param, "output_dim", 0), out_parts)
+            elif name == "bias":
+                split_parameter(param, None, [])  # whole: added once, after the sum
+            else:
+                dim = getattr(param, "input_dim", 1 if param.dim() >= 2 else None)
+                split_parameter(param, dim, [in_part])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.apply(self, x, self.bias)
+        if self.parallel != "row":
+            return self.method.apply(self, x, self.bias)
+        y = self.tp.all_reduce(self.method.apply(self, x, None))
+        return y if self.bias is None else y + self.bias
 
 
 def attention_projections(ctx: ModelContext, num_heads: int, num_kv_heads: int, head_dim: int, prefix: str,
                           qkv_bias: bool = False, out_bias: bool = False) -> tuple["Linear", "Linear"]:
     """One attention layer's fused q/k/v projection (hidden -> (H + 2 KVH) x D, shards q, k, v)
-    and its output projection (H x D -> hidden), through the context's quantizer."""
+    and its output projection (H x D -> hidden), through the context's quantizer.
+
+    The head counts are the model's; over `ctx.parallel.tp` the q/k/v projection is split by
+    heads (column) and the output projection by its input (row): rank r holds H / tp query
+    heads and KVH / tp KV heads, or, with fewer KV heads than ranks, the one KV head
+    r // (tp / KVH) (`KVCacheSpec.for_tensor_parallel` gives the same counts and refuses
+    sizes that do not divide)."""
+    tp = ctx.parallel.tp
     hidden = ctx.hf_config.hidden_size
+    KVCacheSpec(num_layers=1, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                head_size=head_dim).for_tensor_parallel(tp.size)  # raises for sizes that do not split
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
+    kv_parts = min(num_kv_heads, tp.size)
     qkv = Linear(hidden, [q_size, kv_size, kv_size], bias=qkv_bias, quant_config=ctx.quant_config,
-                 prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype)
+                 prefix=f"{prefix}.qkv_proj", params_dtype=ctx.dtype, parallel="column", tp=tp,
+                 output_parts=[tp.size, kv_parts, kv_parts])
     out = Linear(q_size, hidden, bias=out_bias, quant_config=ctx.quant_config, prefix=f"{prefix}.o_proj",
-                 params_dtype=ctx.dtype)
+                 params_dtype=ctx.dtype, parallel="row", tp=tp)
     return qkv, out
 
 
@@ -174,6 +325,8 @@ class Attention(nn.Module):
 class UnquantizedEmbeddingMethod(EmbeddingMethod):
     """One dense [vocab, hidden] tensor in the compute dtype."""
 
+    supports_tensor_parallel = True  # VocabEmbedding marks and narrows its rows
+
     def create_weights(self, layer, vocab_size, hidden_size, params_dtype):
         layer.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype), requires_grad=False)
 
@@ -192,19 +345,42 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
 
 class VocabEmbedding(nn.Module):
     """The token embedding, or an untied lm_head: `forward` looks rows up, `logits`
-    multiplies by the same matrix."""
+    multiplies by the same matrix.
+
+    Over a tensor-parallel group `tp` of several ranks the vocabulary is split in equal
+    parts of ceil(vocab / tp) rows (the last rank's padded with zero rows): rank r holds
+    ids [vocab_start, vocab_end). `forward` looks up the ids it holds, zeroes the others'
+    rows and sums over the group; `logits` gathers every rank's columns, so both return
+    what the whole matrix would, on every rank."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 quant_config: QuantConfig | None = None, prefix: str = "") -> None:
+                 quant_config: QuantConfig | None = None, prefix: str = "", tp: Group | None = None) -> None:
         super().__init__()
         self.prefix = prefix
+        self.vocab_size = vocab_size
+        self.tp = tp if tp is not None else one_rank()
         method = quant_config.embedding_method(prefix) if quant_config is not None else None
         self.method: EmbeddingMethod = method or UnquantizedEmbeddingMethod()
-        self.method.create_weights(self, vocab_size, hidden_size, dtype)
+        _refuse_unsplittable(self.method, quant_config, self.tp)
+        rows = -(-vocab_size // self.tp.size)
+        self.vocab_start = min(self.tp.rank * rows, vocab_size)
+        self.vocab_end = min(self.vocab_start + rows, vocab_size)
+        self.method.create_weights(self, rows, hidden_size, dtype)
+        if self.tp.size > 1:
+            held = self.vocab_end - self.vocab_start
+            for param in self.parameters(recurse=False):
+                split_parameter(param, 0, [(self.vocab_start, held, vocab_size)])
+                param.data[held:].zero_()  # padding: zero logits, trimmed after the gather
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.method.embed(self, input_ids)
+        if self.tp.size == 1:
+            return self.method.embed(self, input_ids)
+        held = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)
+        local = torch.where(held, input_ids - self.vocab_start, torch.zeros_like(input_ids))
+        rows = self.method.embed(self, local).masked_fill(~held.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(rows)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return self.method.logits(self, x)
-
+        if self.tp.size == 1:
+            return self.method.logits(self, x)
+        return self.tp.all_gather(self.method.logits(self, x), dim=-1)[..., :self.vocab_size]

@@ -5,6 +5,12 @@ checkpoint mapping. A decoder layer is built from the architecture's attention a
 classes (`LlamaForCausalLM.attention_cls`, `mlp_cls(layer_idx)`), so a new architecture
 that differs in one of them is a short subclass: Qwen2 and Qwen3 swap the attention for
 one with a qkv bias or per-head q/k RMSNorm, the MoE models pick a sparse MLP per layer.
+
+Parallelism (`ModelContext.parallel`): the attention and MLP split over the
+tensor-parallel group (q/k/v and gate/up by columns, o and down by rows, the vocabulary by
+rows); a pipeline stage builds only its own decoder layers (`stage_layers`), the first
+stage the embedding, the last the final norm and the head, and stages hand each other the
+hidden state and residual (`IntermediateTensors`).
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import torch
 from torch import nn
 
 from pagedllm import ops
-from pagedllm.core.contracts import AttentionContext, CausalLM, KVCacheSpec, ModelContext
+from pagedllm.core.contracts import AttentionContext, CausalLM, IntermediateTensors, KVCacheSpec, ModelContext
 from pagedllm.core.loader import derived_max_model_len
 from pagedllm.plugins.models.layers import (
     attention_projections,
@@ -76,6 +82,9 @@ def llama_kv_cache_spec(cfg: Any, sliding_windows: SlidingWindows = no_sliding_w
 
 class LlamaAttention(nn.Module):
     qkv_bias = False  # Qwen2: True (a config's attention_bias also turns it on)
+    # whether a config's attention_bias also gives o_proj a bias, as in transformers' Llama
+    # and Qwen3 (its Qwen2 never has one); an explicit attention_out_bias decides first
+    out_bias_follows_attention_bias = True
     qk_norm = False  # Qwen3: per-head RMSNorm of q and k before rotary
     # which layers slide, from the config (the model class's kv_cache_spec reads the same rule)
     sliding_windows: SlidingWindows = staticmethod(no_sliding_windows)
@@ -83,14 +92,17 @@ class LlamaAttention(nn.Module):
     def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        qkv_bias = self.qkv_bias or bool(getattr(cfg, "attention_bias", False))
+        attention_bias = bool(getattr(cfg, "attention_bias", False))
+        qkv_bias = self.qkv_bias or attention_bias
+        out_bias = bool(getattr(cfg, "attention_out_bias", attention_bias and self.out_bias_follows_attention_bias))
         qk_norm = self.qk_norm
         spec = llama_kv_cache_spec(cfg, self.sliding_windows)
+        # the projections split the model's heads; this layer computes with the rank's
+        self.qkv_proj, self.o_proj = attention_projections(
+            ctx, spec.num_heads, spec.num_kv_heads, spec.head_size, prefix, qkv_bias, out_bias)
+        spec = spec.for_tensor_parallel(ctx.parallel.tp.size)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj, self.o_proj = attention_projections(
-            ctx, self.num_heads, self.num_kv_heads, self.head_dim, prefix, qkv_bias,
-            bool(getattr(cfg, "attention_out_bias", False)))
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, dtype=ctx.dtype)
@@ -122,10 +134,11 @@ class LlamaMLP(nn.Module):
         super().__init__()
         cfg = ctx.hf_config
         inter = intermediate_size or cfg.intermediate_size
+        tp = ctx.parallel.tp  # gate/up by columns, down by rows: one all-reduce per MLP
         self.gate_up_proj = Linear(cfg.hidden_size, [inter] * 2, quant_config=ctx.quant_config,
-                                   prefix=f"{prefix}.gate_up_proj", params_dtype=ctx.dtype)
+                                   prefix=f"{prefix}.gate_up_proj", params_dtype=ctx.dtype, parallel="column", tp=tp)
         self.down_proj = Linear(inter, cfg.hidden_size, quant_config=ctx.quant_config,
-                                prefix=f"{prefix}.down_proj", params_dtype=ctx.dtype)
+                                prefix=f"{prefix}.down_proj", params_dtype=ctx.dtype, parallel="row", tp=tp)
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama family (silu only)")
@@ -168,22 +181,48 @@ def rotary_for(cfg: Any, rotary_dim: int) -> RotaryEmbedding:
                            max_position_embeddings=cfg.max_position_embeddings)
 
 
+class AbsentLayer(nn.Module):
+    """Stands where a module another pipeline stage holds would be: no parameters, so
+    indices (`model.layers.7`) stay global and nothing is loaded into it."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(f"{self.name} belongs to another pipeline stage; this stage does not hold it")
+
+
 class LlamaModel(nn.Module):
     """Embedding -> decoder layers -> final norm. Subclasses change what differs through
     `norm_offset`, `make_position_tables` (what layers read per position, looked up once
-    per step), `embed` and `layer_tables` (which of those tables a layer gets)."""
+    per step), `embed` and `layer_tables` (which of those tables a layer gets).
+
+    A pipeline stage holds the layers `ctx.parallel.stage_layers(n)` (`self.stage`); the
+    others are `AbsentLayer`s. Only the first stage embeds, only the last norms."""
 
     norm_offset = 0.0  # Gemma: (1 + w) norms
 
     def __init__(self, ctx: ModelContext, make_layer: Callable[[int, str], nn.Module]) -> None:
         super().__init__()
         cfg = ctx.hf_config
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.quant_config,
-                                           "model.embed_tokens")
-        self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=self.norm_offset, dtype=ctx.dtype)
+        parallel = ctx.parallel
+        self.first_stage, self.last_stage = parallel.pp.first, parallel.pp.last
+        self.stage = parallel.stage_layers(cfg.num_hidden_layers)
+        self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.quant_config,
+                                            "model.embed_tokens", tp=parallel.tp)
+                             if self.first_stage else AbsentLayer("model.embed_tokens"))
+        self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}") if i in self.stage
+                                    else AbsentLayer(f"model.layers.{i}") for i in range(cfg.num_hidden_layers))
+        self.norm = (RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, offset=self.norm_offset, dtype=ctx.dtype)
+                     if self.last_stage else AbsentLayer("model.norm"))
         self.rotary = self.make_position_tables(ctx)
         self.aux_layers: tuple[int, ...] = ()
+
+    def absent_prefixes(self) -> tuple[str, ...]:
+        """Checkpoint name prefixes of what other pipeline stages hold (`model.layers.7.`)."""
+        return tuple(f"model.{name}." for name, module in self.named_children() if isinstance(module, AbsentLayer)) + \
+            tuple(f"model.layers.{i}." for i, layer in enumerate(self.layers) if isinstance(layer, AbsentLayer))
 
     def make_position_tables(self, ctx: ModelContext) -> nn.Module:
         """A module whose `lookup(positions)` gives what the layers read per position."""
@@ -196,14 +235,24 @@ class LlamaModel(nn.Module):
         """The part of the step's position tables `layer` reads (all of them here)."""
         return tables
 
-    def forward(self, input_ids, positions, attn):
-        x, residual = self.embed(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionContext,
+                intermediate: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        if self.first_stage:
+            x, residual = self.embed(input_ids), None
+        else:
+            if intermediate is None:
+                raise ValueError("a pipeline stage other than the first needs the previous stage's "
+                                 "IntermediateTensors (hidden_states, residual)")
+            x, residual = intermediate["hidden_states"], intermediate["residual"]
         tables = self.rotary.lookup(positions)
         aux = {}
-        for i, layer in enumerate(self.layers):
+        for i in self.stage:
+            layer = self.layers[i]
             if i in self.aux_layers:
                 aux[i] = x if residual is None else x + residual
             x, residual = layer(self.layer_tables(tables, layer), x, residual, attn)
+        if not self.last_stage:
+            return IntermediateTensors({"hidden_states": x, "residual": residual})
         x, _ = self.norm(x, residual)
         return torch.cat([x, *(aux[i] for i in self.aux_layers)], dim=-1) if aux else x
 
@@ -220,15 +269,21 @@ class LlamaForCausalLM(CausalLM):
     attention_cls: type[nn.Module] = LlamaAttention
     decoder_layer_cls: type[nn.Module] = LlamaDecoderLayer
     model_cls: type[nn.Module] = LlamaModel
+    # splits over tensor-parallel ranks and pipeline stages (Mistral, Qwen2, Qwen3 inherit it)
+    supports_parallel = True
 
     def __init__(self, context: ModelContext) -> None:
         super().__init__(context)
         cfg = context.hf_config
+        pp = context.parallel.pp
         self.model = self.model_cls(context, self.make_layer)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        if not self.tie_word_embeddings:
+        # the head: tied embeddings share the embedding where one stage holds both; a last
+        # stage that is not the first builds its own copy, loaded from the embedding's tensor
+        self.head_is_embedding = self.tie_word_embeddings and pp.first
+        if pp.last and not self.head_is_embedding:
             self.lm_head = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, context.dtype, context.quant_config,
-                                          "lm_head")
+                                          "lm_head", tp=context.parallel.tp)
 
     def mlp_cls(self, layer_idx: int) -> type[nn.Module]:
         """The MLP class of decoder layer `layer_idx` (MoE models: sparse or dense per layer)."""
@@ -237,20 +292,28 @@ class LlamaForCausalLM(CausalLM):
     def make_layer(self, layer_idx: int, prefix: str) -> nn.Module:
         return self.decoder_layer_cls(self.context, layer_idx, prefix, self.attention_cls, self.mlp_cls(layer_idx))
 
-    def forward(self, input_ids, positions, attn):
-        return self.model(input_ids, positions, attn)
+    def forward(self, input_ids, positions, attn, intermediate=None):
+        return self.model(input_ids, positions, attn, intermediate)
 
     def get_input_embeddings(self) -> nn.Module:
         return self.model.embed_tokens
 
     def set_aux_hidden_state_layers(self, layers: tuple[int, ...]) -> None:
+        parallel = self.context.parallel
+        if layers and (parallel.pp.size > 1 or parallel.tp.size > 1):
+            raise NotImplementedError(
+                f"{type(self).__name__}: inner layers' hidden states (EAGLE-3) with "
+                f"pipeline_parallel_size={parallel.pp.size}, tensor_parallel_size={parallel.tp.size} are not "
+                "supported yet (the stages would have to gather them); use one rank or another speculative method")
         bad = [i for i in layers if not 0 <= i < len(self.model.layers)]
         if bad:
             raise ValueError(f"hidden-state layers {bad} are outside this model's {len(self.model.layers)} layers")
         self.model.aux_layers = tuple(layers)
 
     def compute_logits(self, hidden_states):
-        head = self.model.embed_tokens if self.tie_word_embeddings else self.lm_head
+        if not self.context.parallel.pp.last:
+            raise RuntimeError("only the last pipeline stage computes logits")
+        head = self.model.embed_tokens if self.head_is_embedding else self.lm_head
         return head.logits(hidden_states).float()
 
     @classmethod
@@ -270,18 +333,37 @@ class LlamaForCausalLM(CausalLM):
         impl = self.model.layers[layer_idx].self_attn.attn.impl
         setattr(impl, name.rsplit(".", 1)[1], float(tensor.float().max()))
 
+    def _other_stages(self) -> tuple[str, ...]:
+        """Checkpoint name prefixes this pipeline stage does not load (other stages' layers,
+        the embedding off the first stage, the final norm and head off the last)."""
+        absent = self.model.absent_prefixes()
+        if not self.context.parallel.pp.last:
+            absent += ("lm_head.",)
+        return absent
+
     def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]]) -> set[str]:
+        """Every checkpoint tensor into its parameter (fused shards by `packed_modules_mapping`,
+        this rank's part under tensor parallelism); tensors of modules another pipeline stage
+        holds are skipped, and only this stage's parameters must all be filled."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        absent = self._other_stages()
+        tied_copy = self.tie_word_embeddings and not self.head_is_embedding and hasattr(self, "lm_head")
         for name, tensor in weights:
             if "rotary_emb.inv_freq" in name:
                 continue
             if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue
+            if tied_copy and name == "model.embed_tokens.weight":
+                name = "lm_head.weight"  # a last stage's own copy of the tied matrix
+            if name.startswith(absent):
+                continue
             if name.endswith((".k_scale", ".v_scale")):  # FP8 KV-cache scales
                 self._set_kv_scale(name, tensor)
                 continue
             target, shard = self._target(name)
+            if target.startswith(absent):
+                continue
             if target not in params:
                 raise ValueError(f"checkpoint tensor {name!r} has no matching parameter in {type(self).__name__}")
             try:

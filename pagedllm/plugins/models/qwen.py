@@ -10,6 +10,7 @@ from pagedllm.plugins.models.llama import LlamaAttention, LlamaForCausalLM, laye
 
 class Qwen2Attention(LlamaAttention):
     qkv_bias = True
+    out_bias_follows_attention_bias = False  # transformers' Qwen2 o_proj has no bias
     sliding_windows = staticmethod(layer_type_windows)
 
 
