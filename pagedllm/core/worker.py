@@ -246,7 +246,7 @@ class Worker:
         return ModelContext(hf_config=hf_config, dtype=self.dtype, device=self.device,
                             attention_backend=self.backend, kv_cache_dtype=self.config.cache.kv_cache_dtype,
                             block_size=self.block_size, extra=dict(self.config.plugin_options),
-                            matmul_precision=self.matmul_precision)
+                            matmul_precision=self.matmul_precision, parallel=self.parallel)
 
     def _metadata_builder(self, kv_spec: KVCacheSpec, what: str = "the proposer's attention layers"):
         """The metadata builder for a proposer's attention layers, which share the target's

@@ -66,3 +66,26 @@ def test_tensor_parallel_refuses_what_it_cannot_split(tiny_model_dir):
         parallel_llm(tiny_model_dir("llama"), tensor_parallel_size=3)
     with pytest.raises(ValueError, match="larger than the model's 2 layers"):
         parallel_llm(tiny_model_dir("llama"), pipeline_parallel_size=3)
+
+
+@pytest.mark.slow
+def test_smollm2_tensor_parallel_matches_one_rank(smollm2_float):
+    """The real SmolLM2-135M (float copy of the bundled GGUF). Its 9 query and 3 KV heads
+    split over 3 ranks, not 2 (vLLM's rule too: the heads must divide), so TP=3 here."""
+    from pagedllm import SamplingParams
+
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    one = LLM(str(smollm2_float), dtype="float32", device="cpu", kv_cache_memory=1 << 24, max_model_len=256)
+    expected = one.generate(prompts, params, use_tqdm=False)
+    one.engine.shutdown()
+    with pytest.raises(ValueError, match="does not divide the model's 9 attention heads"):
+        parallel_llm(smollm2_float, tensor_parallel_size=2)
+    three = parallel_llm(smollm2_float, tensor_parallel_size=3, kv_cache_memory=1 << 24, max_model_len=256)
+    got = three.generate(prompts, params, use_tqdm=False)
+    three.engine.shutdown()
+    for e, g in zip(expected, got):
+        assert g.outputs[0].token_ids == e.outputs[0].token_ids, (g.outputs[0].text, e.outputs[0].text)
+        for a, b in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
+            token = next(iter(b))
+            assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-3)
