@@ -76,6 +76,13 @@ def bf16_kernel() -> str:
     return "amx-bf16" if _amx_available() else "onednn-bf16"
 
 
+def bf16_sums_in_float32() -> bool:
+    """Whether `linear_bf16` returns its float32 sums unrounded (the AMX kernel); oneDNN's
+    come back rounded to bf16, 8 bits of mantissa, too coarse where bf16 inputs are exact
+    (FP8 codes) and only the products were meant to be bf16."""
+    return bf16_kernel() == "amx-bf16"
+
+
 def bf16_products_allowed() -> bool:
     """Whether float32 matmuls may take bf16 inputs now: "medium" float32 matmul precision
     is in force (core/precision.py) and the CPU multiplies bf16 in hardware (AVX512-BF16 or

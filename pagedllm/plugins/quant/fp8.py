@@ -156,7 +156,9 @@ class Fp8LinearMethod(LinearMethod):
             wide = codes.to(torch.bfloat16)
             layer.fp8_gemm = lambda xq, w=wide: F.linear(xq.to(torch.bfloat16), w).float()
             layer.fp8_kind = "fp8-as-bf16 (cuda)"
-        elif features.detect().native_bf16 and dense.bf16_available():
+        elif features.detect().native_bf16 and dense.bf16_available() and dense.bf16_sums_in_float32():
+            # FP8 codes are exact in bf16, so bf16 products lose nothing; bf16-rounded sums
+            # (oneDNN on AVX512-BF16 CPUs such as Zen 4) would, so those take float32 below
             packed = dense.prepack_bf16(codes.to(torch.bfloat16))
             layer.fp8_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
             layer.fp8_kind = f"fp8-as-bf16 ({dense.bf16_kernel()})"
