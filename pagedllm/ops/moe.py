@@ -55,17 +55,19 @@ def expert_rows(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Ten
     """sum_j topk_weights[t, j] * expert_fn(topk_ids[t, j], x[t]) for every token t -> [T, out_features]
     (default x's last dim), with one `expert_fn(e, rows [n, H]) -> [n, out_features]` call per
     expert that received tokens, chunked by `chunk_size()` tokens. Sums are float32; the
-    result has x's dtype."""
+    result has x's dtype. Pairs of weight 0 are not computed (they add nothing): under
+    expert parallelism they are the pairs of another rank's experts."""
     t, k = topk_ids.shape
     out = torch.zeros(t, out_features or x.shape[-1], dtype=torch.float32, device=x.device)
     step = chunk_size()
     for start in range(0, t, step):
-        ids = topk_ids[start:start + step]
-        flat = ids.reshape(-1)
+        pair_weights = topk_weights[start:start + step].reshape(-1).float()
+        # zero-weight pairs go to a bucket past the last expert, which is never run
+        flat = torch.where(pair_weights == 0, num_experts, topk_ids[start:start + step].reshape(-1))
         order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         tokens = order // k + start
-        counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per chunk
-        pair_weights = topk_weights[start:start + step].reshape(-1).float()[order]
+        counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()  # one host sync per chunk
+        pair_weights = pair_weights[order]
         begin = 0
         for e, n in enumerate(counts):
             if n == 0:

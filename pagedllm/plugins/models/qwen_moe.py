@@ -8,6 +8,12 @@ the dense Llama MLP of `intermediate_size`. The sparse block is a softmax router
 `norm_topk_prob`; Qwen2-MoE adds a shared expert MLP (`shared_expert_intermediate_size`)
 scaled by sigmoid(`shared_expert_gate`(x)). Experts load through `FusedMoE`'s name
 mapping (moe.py), everything else through Llama's.
+
+Over tensor-parallel ranks the router and the shared expert's gate are replicated (every
+rank routes every token alike); the routed experts are split by `FusedMoE` (each expert's
+intermediate dim, or whole experts with --enable-expert-parallel), which all-reduces its
+own output, so the block adds the shared expert's output, whole on every rank (a Llama MLP
+whose row-parallel down projection reduces itself, or a replicated one), to a whole sum.
 """
 
 from __future__ import annotations
@@ -91,10 +97,14 @@ class _MoELoading:
 
 
 class Qwen3MoeForCausalLM(_MoELoading, Qwen3ForCausalLM):
+    # attention and dense MLPs split as Llama's, the experts by FusedMoE; pipeline stages
+    # skip other stages' experts like any other layer's tensors
+    supports_parallel = True
     sparse_block_cls = Qwen3MoeSparseBlock
 
 
 class Qwen2MoeForCausalLM(_MoELoading, Qwen2ForCausalLM):
+    supports_parallel = True  # as Qwen3-MoE's (its shared expert is a Llama MLP)
     sparse_block_cls = Qwen2MoeSparseBlock
 
     @property
