@@ -180,7 +180,10 @@ def attention_pieces(cfg: Any, spec: KVCacheSpec, layer: int, fmt: WeightFormat)
     hidden, d, heads, kv = int(cfg.hidden_size), spec.head_size, spec.num_heads, spec.num_kv_heads
     bias = bool(getattr(cfg, "attention_bias", False) or getattr(cfg, "qkv_bias", False)
                 or getattr(cfg, "model_type", "") in QKV_BIAS_MODELS)
-    out_bias = hidden if getattr(cfg, "attention_out_bias", False) else 0
+    # o_proj's bias: attention_out_bias when the config sets it, else attention_bias (Llama,
+    # Qwen3 in transformers; Qwen2's o_proj never has one)
+    attention_bias = bool(getattr(cfg, "attention_bias", False)) and getattr(cfg, "model_type", "") != "qwen2"
+    out_bias = hidden if getattr(cfg, "attention_out_bias", attention_bias) else 0
     norms = 2 * d if getattr(cfg, "model_type", "") in QK_NORM_MODELS else 0
     return [_piece("attention", layer, 2 * hidden * heads * d, fmt, tp_units=heads, other=heads * d if bias else 0),
             _piece("attention_kv", layer, 2 * hidden * kv * d, fmt, tp_units=kv, other=2 * kv * d if bias else 0),
