@@ -249,7 +249,7 @@ class MultiprocExecutor(DistributedExecutor):
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                rank, message, _ = self.errors.get(timeout=0.05)
+                rank, message, _ = self.errors.get(timeout=0.05) if wait_s else self.errors.get_nowait()
                 return f"rank {rank} failed: {message}"
             except queue.Empty:
                 pass

@@ -12,8 +12,9 @@ PROMPTS = ["the cat", "a dog ran", "one two three", "hello there", "blue sky", "
 
 
 def complete(live, prompt: str) -> str:
-    r = live.client().post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 24,
-                                                    "temperature": 0, "ignore_eos": True})
+    with live.client() as http:
+        r = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": prompt, "max_tokens": 24,
+                                               "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200, r.text
     return r.json()["choices"][0]["text"]
 
@@ -29,8 +30,9 @@ def test_replicas_share_the_load_and_answer_as_one_engine(start_server):
         assert got == expected, "a replica answered differently from a single engine"
         assert all(e.stats.num_generation_tokens > 0 for e in engines), \
             f"one replica did all the work: {[e.stats.num_generation_tokens for e in engines]}"
-        metrics = live.client().get("/metrics").text
-        assert 'engine="1"' in metrics and 'engine="0"' in metrics
-        bad = live.client().post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1})
-        assert bad.status_code == 400 and bad.json()["error"]["message"]
-        assert live.client().get("/health").status_code == 200
+        with live.client() as http:
+            metrics = http.get("/metrics").text
+            assert 'engine="1"' in metrics and 'engine="0"' in metrics
+            bad = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "hi", "max_tokens": -1})
+            assert bad.status_code == 400 and bad.json()["error"]["message"]
+            assert http.get("/health").status_code == 200
