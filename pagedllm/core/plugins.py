@@ -106,9 +106,14 @@ class PluginRegistry:
             names = {cls_name, *cls.aliases}
             if key in {n.lower().replace("_", "-") for n in names}:
                 return cls
+        installed = [f"{n} (also {', '.join(c.aliases)})" if c.aliases else n
+                     for n, c in sorted(self.quant_methods.items())]
         raise ValueError(
-            f"unknown quantization {name!r}; available here: "
-            f"{', '.join(sorted(self.quant_methods)) or '(none)'}"
+            f"unknown quantization {name!r}; available here: {', '.join(installed) or '(none)'}. A quantized "
+            "checkpoint names its own method (its config.json's quantization_config: leave --quantization out); "
+            "a GGUF file carries its quantization (serve the .gguf file); fp8 quantizes a float checkpoint "
+            "while loading; another method comes from a plugin returning {'<name>': YourQuantConfig} from "
+            f"the pagedllm_quant_methods hook through the {ENTRY_POINT_GROUP!r} entry-point group"
         )
 
     def quant_config(self, name: str, config: dict[str, Any], options: dict[str, Any] | None = None) -> QuantConfig:
@@ -148,15 +153,20 @@ class PluginRegistry:
         runnable = sorted(name for name, r in reasons.items() if not r)
         if requested:
             name = ATTENTION_ALIASES.get(requested.upper(), requested.upper())
+            var = envs.source("PAGEDLLM_ATTENTION_BACKEND")
+            origin = f" ({var}={envs.get('PAGEDLLM_ATTENTION_BACKEND')})" if var and envs.get(
+                "PAGEDLLM_ATTENTION_BACKEND", "").upper() == requested.upper() else ""
+            remedy = f"; unset {var} or set it to one that can" if origin else ""
             if name not in self.attention_backends:
                 raise ValueError(
-                    f"unknown attention backend {requested!r}; known here: "
+                    f"unknown attention backend {requested!r}{origin}; known here: "
                     f"{', '.join(sorted(self.attention_backends))} (runnable: {', '.join(runnable) or 'none'})"
+                    f"{remedy}"
                 )
             if reasons[name]:
                 raise ValueError(
-                    f"attention backend {name} cannot run here: {'; '.join(reasons[name])}. "
-                    f"Backends that can: {', '.join(runnable) or 'none'}"
+                    f"attention backend {name}{origin} cannot run here: {'; '.join(reasons[name])}. "
+                    f"Backends that can: {', '.join(runnable) or 'none'}{remedy}"
                 )
             return self.attention_backends[name]
         if not runnable:

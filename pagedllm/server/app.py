@@ -115,8 +115,10 @@ def run_server(app: Starlette, settings: ServerSettings) -> None:
     config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.uvicorn_log_level,
                             **uvicorn_options(settings))
     url = f"http://{settings.host}:{settings.port}"
+    local = settings.host in ("127.0.0.1", "localhost", "::1")
     logger.info("serving %s at %s (chat page: %s/ ; OpenAI API under %s/v1; docs: /v1/models, /health, "
-                "/metrics)", ", ".join(state.model_names), url, url, url)
+                "/metrics)%s", ", ".join(state.model_names), url, url, url,
+                "; this machine only: --host 0.0.0.0 listens on every interface (vLLM's default)" if local else "")
     server = DrainingServer(config, state.lifecycle, state.engine, settings.shutdown_timeout)
     server.run()
     if not server.started:
