@@ -48,6 +48,9 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("PAGEDLLM_FUSED_MOE_CHUNK_SIZE", "VLLM_FUSED_MOE_CHUNK_SIZE",
                "Tokens per chunk of a mixture-of-experts layer's grouped GEMMs (default 32768, as vLLM): "
                "bounds the intermediate buffers of long prefills."),
+        EnvVar("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN",
+               "1: allow a --max-model-len longer than the model's context (warned: positions the model was not "
+               "trained for may give wrong outputs; a rope scaling through --hf-overrides is the sound way)."),
         EnvVar("PAGEDLLM_HOST_IP", "VLLM_HOST_IP",
                "This machine's address that other ranks reach (node 0: where the ranks meet; default "
                "--master-addr, 127.0.0.1 on one machine)."),
@@ -69,8 +72,6 @@ NO_EFFECT: dict[str, str] = {
     "VLLM_TARGET_DEVICE": "the device is chosen with --device",
     "VLLM_USE_MODELSCOPE": "models are read from local paths",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "use PAGEDLLM_CPU_OMP_THREADS_BIND to choose the CPUs",
-    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "not supported yet: a --max-model-len past the model's context is refused; "
-                                     "extend the context with a rope scaling (--hf-overrides)",
 }
 _PREFIXES = ("PAGEDLLM_", "VLLM_")
 _told = False

@@ -246,7 +246,8 @@ class Worker:
         return ModelContext(hf_config=hf_config, dtype=self.dtype, device=self.device,
                             attention_backend=self.backend, kv_cache_dtype=self.config.cache.kv_cache_dtype,
                             block_size=self.block_size, extra=dict(self.config.plugin_options),
-                            matmul_precision=self.matmul_precision, parallel=self.parallel)
+                            matmul_precision=self.matmul_precision, parallel=self.parallel,
+                            max_model_len=self.max_model_len)
 
     def _metadata_builder(self, kv_spec: KVCacheSpec, what: str = "the proposer's attention layers"):
         """The metadata builder for a proposer's attention layers, which share the target's

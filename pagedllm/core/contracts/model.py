@@ -124,6 +124,9 @@ class ModelContext:
     # this rank and its groups: tensor-parallel layers split by `parallel.tp`, a pipeline
     # stage builds only `parallel.stage_layers(n)`; one rank unless the engine asks for more
     parallel: ParallelState = field(default_factory=ParallelState.single)
+    # the engine's context length: per-position tables (rotary) must cover it, which is
+    # longer than the config's when PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN lets it be
+    max_model_len: int | None = None
 
     def attention_spec(self, num_heads: int, num_kv_heads: int, head_size: int, kind: str = "mha",
                        value_size: int | None = None) -> AttentionSpec:

@@ -263,7 +263,7 @@ class DeepseekModel(LlamaModel):
     """Llama's stack with the rotary table over qk_rope_head_dim (the rotated part only)."""
 
     def make_position_tables(self, ctx: ModelContext) -> nn.Module:
-        return rotary_for(ctx.hf_config, ctx.hf_config.qk_rope_head_dim)
+        return rotary_for(ctx.hf_config, ctx.hf_config.qk_rope_head_dim, ctx.max_model_len)
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):

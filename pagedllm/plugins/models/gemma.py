@@ -25,7 +25,6 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.core.contracts import AttentionContext, KVCacheSpec, ModelContext
-from pagedllm.core.loader import derived_max_model_len
 from pagedllm.plugins.models.layers import (
     attention_projections,
     Attention,
@@ -34,7 +33,7 @@ from pagedllm.plugins.models.layers import (
     RotaryEmbedding,
     rope_parameters,
 )
-from pagedllm.plugins.models.llama import LlamaForCausalLM, LlamaModel, llama_kv_cache_spec
+from pagedllm.plugins.models.llama import LlamaForCausalLM, LlamaModel, llama_kv_cache_spec, table_length
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 # transformers' defaults when a config names no theta for a layer type (Gemma 3)
@@ -187,7 +186,7 @@ class GemmaRotaries(nn.Module):
     """One rotary table per distinct rope of the layer types (sliding layers: the local base),
     looked up once per step; `of[layer type]` names the table a layer reads."""
 
-    def __init__(self, cfg: Any) -> None:
+    def __init__(self, cfg: Any, max_model_len: int | None = None) -> None:
         super().__init__()
         head_size = gemma_kv_cache_spec(cfg).head_size
         ropes = rope_by_layer_type(cfg)
@@ -197,7 +196,7 @@ class GemmaRotaries(nn.Module):
             same = next((k for k in self.tables if ropes[k] == ropes[kind]), None)
             if same is None:
                 theta, scaling = ropes[kind]
-                self.tables[kind] = RotaryEmbedding(head_size, derived_max_model_len(cfg)[0], theta, scaling,
+                self.tables[kind] = RotaryEmbedding(head_size, table_length(cfg, max_model_len), theta, scaling,
                                                     max_position_embeddings=cfg.max_position_embeddings)
             self.of[kind] = same or kind
 
@@ -217,7 +216,7 @@ class GemmaModel(LlamaModel):
         self.embed_scale = float(torch.tensor(ctx.hf_config.hidden_size ** 0.5, dtype=ctx.dtype))
 
     def make_position_tables(self, ctx: ModelContext) -> nn.Module:
-        return GemmaRotaries(ctx.hf_config)
+        return GemmaRotaries(ctx.hf_config, ctx.max_model_len)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) * self.embed_scale

@@ -173,11 +173,17 @@ class LlamaDecoderLayer(nn.Module):
         return getattr(self, self.mlp_name)(x), residual
 
 
-def rotary_for(cfg: Any, rotary_dim: int) -> RotaryEmbedding:
+def table_length(cfg: Any, max_model_len: int | None = None) -> int:
+    """Positions a per-position table must cover: the longest context the config allows
+    (scaled rope: past max_position_embeddings), or the engine's when it is longer."""
+    return max(derived_max_model_len(cfg)[0], max_model_len or 0)
+
+
+def rotary_for(cfg: Any, rotary_dim: int, max_model_len: int | None = None) -> RotaryEmbedding:
     """The rotary tables of a config's rope (theta, scaling) over `rotary_dim` dims, long enough
-    for the longest context the engine allows (scaled rope: past max_position_embeddings)."""
+    for the longest context the engine allows (`table_length`)."""
     theta, scaling = rope_parameters(cfg)
-    return RotaryEmbedding(rotary_dim, derived_max_model_len(cfg)[0], theta, scaling,
+    return RotaryEmbedding(rotary_dim, table_length(cfg, max_model_len), theta, scaling,
                            max_position_embeddings=cfg.max_position_embeddings)
 
 
@@ -226,7 +232,7 @@ class LlamaModel(nn.Module):
 
     def make_position_tables(self, ctx: ModelContext) -> nn.Module:
         """A module whose `lookup(positions)` gives what the layers read per position."""
-        return rotary_for(ctx.hf_config, llama_kv_cache_spec(ctx.hf_config).head_size)
+        return rotary_for(ctx.hf_config, llama_kv_cache_spec(ctx.hf_config).head_size, ctx.max_model_len)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)

@@ -313,6 +313,21 @@ def test_hf_overrides_add_yarn_to_a_checkpoint(model_dir, tmp_path, caplog):
     assert_parity(run_engine(llm, LONG_PROMPTS), ref)
 
 
+def test_allow_long_max_model_len(model_dir, monkeypatch, caplog):
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 (vLLM's override): a context past the model's 64
+    positions loads with a warning, and the rotary tables reach it, so prompts of 70 and 120
+    tokens run; transformers' default rope has no table, so its outputs are the reference."""
+    path = model_dir("llama", "plain")
+    with pytest.raises(ValueError, match="VLLM_ALLOW_LONG_MAX_MODEL_LEN=1"):
+        new_llm(path, max_model_len=256)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        llm = new_llm(path, max_model_len=256)
+    assert "never trained" in caplog.text and llm.engine.max_model_len == 256
+    prompts = LONG_PROMPTS[:2]
+    assert_parity(run_engine(llm, prompts), hf_greedy(path, prompts))
+
+
 def test_rope_flags_of_older_vllm(model_dir, tmp_path, caplog):
     """rope_scaling= and rope_theta= (vLLM's --rope-scaling / --rope-theta) act as
     hf_overrides, with a warning naming --hf-overrides; given twice is an error."""
