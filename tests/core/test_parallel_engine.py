@@ -89,3 +89,20 @@ def test_smollm2_tensor_parallel_matches_one_rank(smollm2_float):
         for a, b in zip(g.outputs[0].logprobs, e.outputs[0].logprobs):
             token = next(iter(b))
             assert a[token].logprob == pytest.approx(b[token].logprob, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_pipeline_parallel_on_the_bundled_gguf(smollm2_path):
+    """The bundled SmolLM2 Q4_1 GGUF over 2 stages (its tied embedding is rebuilt, quantized,
+    on the last stage): the same greedy tokens as one rank. Pipeline parallelism splits no
+    matrix, so quantized layers need nothing of their own."""
+    from pagedllm import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = ["The capital of France is", "Write a haiku about the sea:"]
+    got = {}
+    for pp in (1, 2):
+        llm = LLM(smollm2_path, device="cpu", max_model_len=512, kv_cache_memory=64 << 20, pipeline_parallel_size=pp)
+        got[pp] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        llm.shutdown()
+    assert got[2] == got[1]
