@@ -34,7 +34,7 @@ from pagedllm.server.errors import APIError, from_engine_error
 from pagedllm.server.protocol import Fields, check_messages, check_model, check_text_len, prepare, sampling_fields
 from pagedllm.server.reasoning import ReasoningDelta, ReasoningParser
 from pagedllm.server.state import ServerState, state_of
-from pagedllm.server.streaming import SSEResponse, generate_all, merge, respond
+from pagedllm.server.streaming import SSEResponse, event_json, generate_all, merge, respond
 
 INPUT_ROLES = ("user", "assistant", "system", "developer")
 TEXT_PARTS = ("input_text", "output_text")  # an assistant turn given back carries output_text parts
@@ -377,4 +377,4 @@ class ResponseEvents:
 
 def frame(event: dict[str, Any]) -> str:
     """One server-sent event, named by its type as OpenAI's are."""
-    return f"event: {event['type']}\ndata: {json.dumps(event, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"event: {event['type']}\ndata: {event_json(event)}\n\n"

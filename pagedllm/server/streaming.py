@@ -40,9 +40,20 @@ T = TypeVar("T")
 DONE = "data: [DONE]\n\n"
 
 
+# Characters JSON leaves raw that many line readers still split on (Python's str.splitlines,
+# which httpx's iter_lines uses; JavaScript's old line terminators): escaped, an event stays
+# one line for every client. JSON escapes \n, \r and the other control characters itself.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def event_json(payload: dict[str, Any]) -> str:
+    """A payload as one line of compact JSON, non-ASCII text kept as is except line breaks."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS)
+
+
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying a JSON object."""
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {event_json(payload)}\n\n"
 
 
 def sse_error(exc: BaseException) -> str:
