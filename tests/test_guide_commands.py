@@ -66,8 +66,7 @@ SHAPES = {
         ["--quantization", "fp8", "--kv-cache-dtype", "fp8", "--calculate-kv-scales"],
         {"--quantization": Refused("is a gguf file, quantized already: drop --quantization"),
          "--kv-cache-dtype": Works(lambda c, s: c.cache.kv_cache_dtype == "fp8"),
-         "--calculate-kv-scales": Refused("computing them from the first batch is not supported yet: serve a "
-                                          "checkpoint with calibrated KV scales")}),
+         "--calculate-kv-scales": Works(lambda c, s: c.cache.calculate_kv_scales)}),
     "tool calling": Shape(
         ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"],
         {"--enable-auto-tool-choice": Works(lambda c, s: s.enable_auto_tool_choice),

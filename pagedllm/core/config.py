@@ -183,6 +183,10 @@ class CacheConfig:
                                       "cache")
     kv_cache_dtype: str = opt("auto", f"KV-cache element type: {', '.join(KV_CACHE_DTYPES)}.", "cache",
                               choices=list(KV_CACHE_DTYPES))
+    calculate_kv_scales: bool = opt(False, "With an FP8 KV cache, set each attention layer's k/v scales from "
+                                    "the first batch (vLLM's rule: max |k| / 200, max |v| / 100) instead of "
+                                    "1.0; a checkpoint's own k_scale / v_scale are kept. No effect with "
+                                    "kv_cache_dtype auto.", "cache")
 
     def __post_init__(self) -> None:
         problems = []

@@ -159,9 +159,6 @@ VLLM_ONLY_ARGS: dict[str, VllmArg] = _args(
      "file, {quantization=fp8}) or more GPUs ({tensor_parallel_size})"), str, "engine", ("0",)),
     ("num_gpu_blocks_override", REFUSE, ("give the KV-cache size in bytes instead: {kv_cache_memory=SIZE} (blocks = "
      "SIZE / (block size x bytes per token), as the start-up log shows)")),
-    ("calculate_kv_scales", REFUSE, ("FP8 KV-cache scales are the checkpoint's k_scale / v_scale, else 1.0; "
-     "computing them from the first batch is not supported yet: serve a checkpoint with calibrated KV scales "
-     "(e.g. from llm-compressor), or keep {kv_cache_dtype=auto}"), bool),
     ("prefix_caching_hash_algo", WARN, ("a prefix-cache hit is confirmed by comparing the tokens, so no hash choice "
      "can make a wrong hit")),
     ("kv_sharing_fast_prefill", REFUSE, "cross-layer KV sharing is not supported yet", bool),
@@ -170,7 +167,8 @@ VLLM_ONLY_ARGS: dict[str, VllmArg] = _args(
     ("mamba_block_size", REFUSE, "Mamba layers are not supported yet"),
     ("kv_offloading_size", REFUSE, "offloading the KV cache to CPU memory is not supported yet"),
     ("kv_offloading_backend", REFUSE, "offloading the KV cache to CPU memory is not supported yet"),
-    ("quantization_param_path", REFUSE, "FP8 KV-cache scales come from the checkpoint's k_scale / v_scale tensors"),
+    ("quantization_param_path", REFUSE, ("FP8 KV-cache scales come from the checkpoint's k_scale / v_scale "
+     "tensors, or from the first batch with {calculate_kv_scales}")),
     # LoRA
     ("enable_lora", REFUSE, LORA, bool),
     ("max_loras", REFUSE, LORA),

@@ -191,6 +191,7 @@ class Worker:
         self.model: CausalLM = self._build_model(model_cls, source, quant)
         logger.info("loaded %s weights in %.1fs", type(self.model).__name__, time.perf_counter() - start)
         self.builder = self.backend.builder_cls()(self.attn_spec)
+        self.graph_runner: GraphRunner | None = None  # chosen below; the CUDA profile step runs eagerly
         self.proposer: SpecProposer | None = None
         if spec_config is not None:
             if parallel.world_size > 1 and (spec_config.model or registry.spec_method(spec_config.method).needs_model):
@@ -206,7 +207,6 @@ class Worker:
         if draft_spec is not None:
             self.proposer.bind_kv_caches(self._allocate(draft_spec))
         self.sampler = Sampler(config.model.seed, self.device)
-        self.graph_runner = None
         if parallel.world_size > 1:
             logger.info("graph capture: off with more than one rank (not supported yet); every step runs eagerly")
         elif not config.device.enforce_eager:
@@ -247,7 +247,8 @@ class Worker:
                             attention_backend=self.backend, kv_cache_dtype=self.config.cache.kv_cache_dtype,
                             block_size=self.block_size, extra=dict(self.config.plugin_options),
                             matmul_precision=self.matmul_precision, parallel=self.parallel,
-                            max_model_len=self.max_model_len)
+                            max_model_len=self.max_model_len,
+                            calculate_kv_scales=self.config.cache.calculate_kv_scales)
 
     def _metadata_builder(self, kv_spec: KVCacheSpec, what: str = "the proposer's attention layers"):
         """The metadata builder for a proposer's attention layers, which share the target's
@@ -359,7 +360,7 @@ class Worker:
         torch.cuda.reset_peak_memory_stats()
         layout = self._layout([[0] * num_tokens], [0], [num_tokens], [list(range(num_blocks))])
         with torch.inference_mode():
-            hidden = self._forward(layout, AttentionContext(self.builder.build(layout), scratch))
+            hidden = self._forward(layout, AttentionContext(self.builder.build(layout), scratch, dummy=True))
             if hidden is not None:
                 self.model.compute_logits(hidden[-min(num_tokens, self.config.scheduler.max_num_seqs):])
         torch.cuda.synchronize()

@@ -112,8 +112,12 @@ class AttentionMetadataBuilder(ABC):
 class AttentionImpl(ABC):
     """One attention layer's kernel. Created by the model's attention layer.
 
-    `k_scale` / `v_scale` are the per-layer FP8 KV-cache scales (1.0 unless the
-    checkpoint supplies them); the layer sets them after loading weights.
+    `k_scale` / `v_scale` are the per-layer FP8 KV-cache scales: a cached element is
+    value / scale, read back as element * scale. They are 1.0 unless something sets them:
+    the model's loader from the checkpoint's k_scale / v_scale tensors (plain assignment,
+    which `kv_scales_source` records as "given"), or the attention layer from the first
+    batch under --calculate-kv-scales (`set_calculated_kv_scales`). Backends read them on
+    every forward, so a scale set after construction takes effect on the next step.
     """
 
     def __init__(
@@ -132,8 +136,35 @@ class AttentionImpl(ABC):
         # chunked local attention (see `forward`); set only on backends that declare
         # `supports_attention_chunks` (the registry refuses the others for such a model)
         self.attention_chunk_size = attention_chunk_size
-        self.k_scale = 1.0
-        self.v_scale = 1.0
+        self._k_scale: float = 1.0
+        self._v_scale: float = 1.0
+        # where the scales came from: "default" (1.0), "given" (assigned from outside: a
+        # checkpoint's scales) or "calculated" (from the first batch); a layer calculating
+        # scales keeps given ones (a checkpoint's calibration beats one batch's)
+        self.kv_scales_source = "default"
+
+    @property
+    def k_scale(self) -> float:
+        return self._k_scale
+
+    @k_scale.setter
+    def k_scale(self, value: float) -> None:
+        self._k_scale = value
+        self.kv_scales_source = "given"
+
+    @property
+    def v_scale(self) -> float:
+        return self._v_scale
+
+    @v_scale.setter
+    def v_scale(self, value: float) -> None:
+        self._v_scale = value
+        self.kv_scales_source = "given"
+
+    def set_calculated_kv_scales(self, k_scale: float, v_scale: float) -> None:
+        """Scales measured from the data (--calculate-kv-scales), recorded as "calculated"."""
+        self._k_scale, self._v_scale = k_scale, v_scale
+        self.kv_scales_source = "calculated"
 
     @abstractmethod
     def forward(
@@ -243,11 +274,14 @@ class AttentionContext:
     """What a model's forward needs for attention: the step's metadata and every layer's cache.
 
     Passed explicitly down the model (never a module global); layer i reads
-    `kv_caches[i]`.
+    `kv_caches[i]`. `dummy` marks a step on made-up tokens (the memory-profiling run, a
+    warm-up): layers must not learn anything from its values (--calculate-kv-scales
+    measures the first step that is not dummy).
     """
 
     metadata: Any
     kv_caches: list[torch.Tensor]
+    dummy: bool = False
 
 
 # the element type of each non-"auto" name in config.KV_CACHE_DTYPES

@@ -127,6 +127,8 @@ class ModelContext:
     # the engine's context length: per-position tables (rotary) must cover it, which is
     # longer than the config's when PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN lets it be
     max_model_len: int | None = None
+    # --calculate-kv-scales: FP8 KV-cache scales measured on the first real step
+    calculate_kv_scales: bool = False
 
     def attention_spec(self, num_heads: int, num_kv_heads: int, head_size: int, kind: str = "mha",
                        value_size: int | None = None) -> AttentionSpec:

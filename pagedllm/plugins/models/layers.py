@@ -22,6 +22,8 @@ split parameter carries the one rule for its part (`tp_dim`, `tp_parts`), read b
 
 from __future__ import annotations
 
+import logging
+import math
 from typing import Sequence
 
 import torch
@@ -29,7 +31,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm.core.contracts import (
+    KV_CACHE_TORCH_DTYPES,
     AttentionContext,
+    AttentionImpl,
     EmbeddingMethod,
     KVCacheSpec,
     LinearMethod,
@@ -40,6 +44,8 @@ from pagedllm import ops
 from pagedllm.core.parallel import Group
 # rotary embeddings live in rope.py; re-exported here, where model plugins have imported them from
 from pagedllm.plugins.models.rope import RotaryEmbedding, rope_inv_freq, rope_parameters  # noqa: F401
+
+logger = logging.getLogger("pagedllm")
 
 
 def load_shard(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -93,7 +99,8 @@ def split_parameter(param: torch.Tensor, dim: int | None, parts: Sequence[tuple[
     """Mark `param` as tensor-parallel: along its `dim` it holds, for each shard of its
     layer, the rows (start, size) of that shard's checkpoint tensor whose full extent is
     `full` (`parts`: one (start, size, full) per shard, or one for every shard).
-    Rows count logical rows; `rank_part` divides by `pack_factor` along `output_dim`.
+    Rows count logical rows; `rank_part` divides by `pack_factor` along `output_dim`, by
+    `input_pack_factor` along another dim (a block scale's input blocks).
     `dim` None: the parameter is whole on every rank."""
     param.tp_dim = dim  # type: ignore[attr-defined]
     param.tp_parts = [tuple(p) for p in parts]  # type: ignore[attr-defined]
@@ -111,8 +118,11 @@ def rank_part(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> t
         raise ValueError(f"one checkpoint tensor for all {len(parts)} shards of a fused layer cannot be split over "
                          "tensor-parallel ranks; the checkpoint must store each shard (q/k/v, gate/up) separately")
     start, size, full = parts[0 if len(parts) == 1 else shard]
-    if dim == getattr(param, "output_dim", 0):
-        pack = getattr(param, "pack_factor", 1)
+    # rows count logical rows / columns: a parameter packing several per element (AWQ's
+    # words, block scales' blocks) divides by its pack factor along that dim
+    pack = (getattr(param, "pack_factor", 1) if dim == getattr(param, "output_dim", 0)
+            else getattr(param, "input_pack_factor", 1))
+    if pack != 1:
         start, size, full = start // pack, -(-size // pack), -(-full // pack)
     if loaded.dim() <= dim or loaded.shape[dim] != full:
         raise ValueError(f"shape {tuple(loaded.shape)}: expected {full} rows along dim {dim}, which "
@@ -304,8 +314,83 @@ class RMSNorm(nn.Module):
         return self._scale
 
 
+# vLLM's divisors for KV scales calculated from the first batch (its K_SCALE_CONSTANT and
+# V_SCALE_CONSTANT): that batch's largest |key| is cached as 200 and its largest |value| as
+# 100, under e4m3's 448, so later batches may run 2.2x (keys) and 4.5x (values) larger
+# before the cache saturates.
+K_SCALE_CONSTANT = 200.0
+V_SCALE_CONSTANT = 100.0
+
+
+class KVScaleCalculation:
+    """--calculate-kv-scales for one attention layer with an FP8 cache: on the first step
+    that is not dummy (`AttentionContext.dummy`: the memory-profiling run) and has tokens,
+    before that step's keys and values are cached, set the impl's scales to
+    max|k| / K_SCALE_CONSTANT and max|v| / V_SCALE_CONSTANT (vLLM's rule, per layer and per
+    tensor-parallel rank: each rank measures the heads it holds), once. A checkpoint's own
+    scales (the impl's `kv_scales_source` is "given") are kept instead, and said so.
+
+    The measurement reads the amax back to the host, so it must be an eager step: later
+    steps may be replayed (CPU step replay records only a shape's second step; graph
+    captures bake the scales in), and the layer drops this object once it has decided,
+    so nothing is measured again. MLA layers (one latent, `v` None) get k_scale for both."""
+
+    def __init__(self, layer_idx: int) -> None:
+        self.layer_idx = layer_idx
+        # layer 0 speaks at info level, once per model; the others at debug level
+        self.say = logger.info if layer_idx == 0 else logger.debug
+
+    def decide(self, impl: AttentionImpl, k: torch.Tensor, v: torch.Tensor | None, attn: AttentionContext) -> bool:
+        """True once this layer's scales are decided (from now on the caller drops this
+        object); False on a step that must not count (dummy, or without tokens)."""
+        if attn.dummy or k.shape[0] == 0:
+            return False
+        if impl.kv_scales_source == "given":
+            self.say("--calculate-kv-scales: layer %d keeps the checkpoint's FP8 KV scales (k_scale=%.4g, "
+                     "v_scale=%.4g): calibrated scales win over the first batch's", self.layer_idx,
+                     float(impl.k_scale), float(impl.v_scale))
+            return True
+        if k.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("--calculate-kv-scales: a CUDA graph is being captured before an eager step measured "
+                               f"layer {self.layer_idx}'s FP8 KV scales; the first real step must run eagerly (the "
+                               "graph would bake in scales of 1.0)")
+        amax = torch.stack([k.detach().abs().amax().float(),
+                            (v if v is not None else k).detach().abs().amax().float()]).tolist()
+        k_scale = self._scale(amax[0], K_SCALE_CONSTANT, "keys", float(impl.k_scale))
+        v_scale = k_scale if v is None else self._scale(amax[1], V_SCALE_CONSTANT, "values", float(impl.v_scale))
+        impl.set_calculated_kv_scales(k_scale, v_scale)
+        self.say("--calculate-kv-scales: layer %d's FP8 KV scales from the first batch (%d tokens): k_scale=%.4g "
+                 "(max |k| %.4g / %g), v_scale=%.4g (max |v| %.4g / %g)%s", self.layer_idx, k.shape[0], k_scale,
+                 amax[0], K_SCALE_CONSTANT, v_scale, amax[1], V_SCALE_CONSTANT,
+                 "; the other layers' at debug level" if self.layer_idx == 0 else "")
+        return True
+
+    def _scale(self, amax: float, constant: float, what: str, current: float) -> float:
+        if math.isfinite(amax) and amax > 0:
+            return amax / constant
+        logger.warning("--calculate-kv-scales: layer %d's %s in the first batch are %s; its scale stays %g",
+                       self.layer_idx, what, "all zero" if amax == 0 else "not finite", current)
+        return current
+
+
+def kv_scale_calculation(context: ModelContext, layer_idx: int) -> KVScaleCalculation | None:
+    """What measures this layer's FP8 KV scales when --calculate-kv-scales asks (None: the
+    scales stay the checkpoint's or 1.0). With a cache that is not FP8 the flag changes
+    nothing, which layer 0 says."""
+    if not context.calculate_kv_scales:  # CacheConfig.calculate_kv_scales, set by the worker
+        return None
+    if context.kv_cache_dtype not in KV_CACHE_TORCH_DTYPES:
+        if layer_idx == 0:
+            logger.warning("--calculate-kv-scales has no effect with kv_cache_dtype=%s: only an FP8 KV cache "
+                           "(kv_cache_dtype fp8, fp8_e4m3, fp8_e5m2) uses k/v scales", context.kv_cache_dtype)
+        return None
+    return KVScaleCalculation(layer_idx)
+
+
 class Attention(nn.Module):
-    """Calls the selected backend's impl with this layer's slice of the KV cache."""
+    """Calls the selected backend's impl with this layer's slice of the KV cache (and, under
+    --calculate-kv-scales with an FP8 cache, first sets its scales from the first batch:
+    `KVScaleCalculation`)."""
 
     def __init__(self, context: ModelContext, layer_idx: int, num_heads: int, num_kv_heads: int,
                  head_dim: int, scale: float, sliding_window: int | None = None,
@@ -316,8 +401,11 @@ class Attention(nn.Module):
         spec = context.attention_spec(num_heads, num_kv_heads, head_dim)
         chunking = {"attention_chunk_size": attention_chunk_size} if attention_chunk_size else {}
         self.impl = context.attention_backend.impl_cls()(spec, scale, sliding_window, logits_soft_cap, **chunking)
+        self.kv_scales = kv_scale_calculation(context, layer_idx)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn: AttentionContext) -> torch.Tensor:
+        if self.kv_scales is not None and self.kv_scales.decide(self.impl, k, v, attn):
+            self.kv_scales = None  # decided once: never measured again
         out = self.impl.forward(q, k, v, attn.kv_caches[self.layer_idx], attn.metadata)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
 
