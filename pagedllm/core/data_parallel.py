@@ -62,8 +62,7 @@ class DataParallelEngine:
         if request_id is not None:
             self._owner[request_id] = index
         try:
-            async for out in stream:
-                self._owner.setdefault(out.request_id, index)
+            async for out in stream:  # an id-less request is aborted on every replica (it is unknown to the others)
                 yield out
         finally:
             self._in_flight[index] -= 1

@@ -362,10 +362,10 @@ def engine_limits(config: EngineConfig, source: Any, registry: Any) -> tuple[int
     model_max, derived = derived_max_model_len(source.text_config)
     max_model_len = config.model.max_model_len or model_max
     if max_model_len > model_max:
-        allowed = envs.source("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN")
-        if allowed and envs.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower() in ("1", "true", "yes"):
+        if envs.get("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN", "").strip().lower() in ("1", "true", "yes"):
             logger.warning("max_model_len=%d is longer than the model's %s (%s is set): positions past it were "
-                           "never trained and may give wrong outputs", max_model_len, derived, allowed)
+                           "never trained and may give wrong outputs", max_model_len, derived,
+                           envs.source("PAGEDLLM_ALLOW_LONG_MAX_MODEL_LEN"))
         else:
             raise ValueError(f"max_model_len={max_model_len} is longer than the model's {derived}; lower "
                              "--max-model-len, extend the context with a rope scaling (--hf-overrides "

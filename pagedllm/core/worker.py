@@ -13,7 +13,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -165,8 +165,6 @@ class Worker:
 
         self.registry = registry
         model_cls = registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
-        if parallel.world_size > 1:
-            check_split(config, source, registry)
         quant = _quant_config(config.model.quantization, source, registry, config.plugin_options)
         self.matmul_precision = "highest"
         if self.dtype == torch.float32:
@@ -300,9 +298,15 @@ class Worker:
         """One cache tensor per layer, indexed by the model's layer number; the layers of
         other pipeline stages (outside `layers`) get an empty placeholder."""
         shape = self.backend.cache_shape(self.budget.num_blocks, self.block_size, spec)
+        return self._layer_caches(spec, layers, lambda: zeroed(shape, self.kv_dtype, self.device))
+
+    def _layer_caches(self, spec: KVCacheSpec, layers: range | None,
+                      make: Callable[[], torch.Tensor]) -> list[torch.Tensor]:
+        """`make()` for each layer in `layers` (default all), an empty placeholder for the
+        others (another pipeline stage's), indexed by the model's layer number."""
         layers = range(spec.num_layers) if layers is None else layers
         empty = torch.empty(0, dtype=self.kv_dtype, device=self.device)
-        return [zeroed(shape, self.kv_dtype, self.device) if i in layers else empty for i in range(spec.num_layers)]
+        return [make() if i in layers else empty for i in range(spec.num_layers)]
 
     def _graph_runner(self, registry: PluginRegistry, model: torch.nn.Module | None = None) -> GraphRunner | None:
         """What replays captured steps instead of calling the model (CUDA graphs, CPU step
@@ -354,8 +358,8 @@ class Worker:
         num_blocks = -(-num_tokens // self.block_size)
         spec = self.kv_spec
         shape = self.backend.cache_shape(num_blocks, self.block_size, spec)
-        scratch = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device) if i in self.stage_layers
-                   else torch.empty(0, dtype=self.kv_dtype, device=self.device) for i in range(spec.num_layers)]
+        scratch = self._layer_caches(spec, self.stage_layers,
+                                     lambda: torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         layout = self._layout([[0] * num_tokens], [0], [num_tokens], [list(range(num_blocks))])
