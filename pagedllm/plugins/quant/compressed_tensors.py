@@ -28,7 +28,12 @@ import torch
 from torch import nn
 
 from pagedllm.core.contracts import LinearMethod, QuantConfig, skip_matches
-from pagedllm.plugins.quant.fp8 import Fp8Config, Fp8LinearMethod, register_tensor_scales
+from pagedllm.plugins.quant.fp8 import (
+    Fp8Config,
+    Fp8LinearMethod,
+    register_tensor_scales,
+    row_scale_param,
+)
 from pagedllm.plugins.quant.int_weights import (
     GroupedIntMethod,
     IntGroups,
@@ -171,7 +176,13 @@ class Int8LinearMethod(LinearMethod):
     """INT8 W8A8 (compressed-tensors `int-quantized`): int8 weights with one scale per
     output row (or per tensor), activations quantized per token (or with a static scale),
     int8 x int8 products summed in int32 by `torch._int_mm` (oneDNN on the CPU: AMX-INT8
-    or VNNI where the CPU has them), then scaled."""
+    or VNNI where the CPU has them), then scaled.
+
+    Tensor parallel as the FP8 method's per-tensor / per-channel layouts (fp8.py): codes
+    narrow like a weight, per-tensor and input scales stay whole, channel scales follow
+    the rows; under row parallel each rank quantizes its slice of the activations."""
+
+    supports_tensor_parallel = True
 
     def __init__(self, channel_scales: bool, static: bool) -> None:
         self.channel_scales = channel_scales
@@ -182,7 +193,7 @@ class Int8LinearMethod(LinearMethod):
         layer.int8_sizes, layer.int8_in = list(output_sizes), input_size
         output_param(layer, "weight", (n, input_size), torch.int8, list(output_sizes), 0)
         if self.channel_scales:
-            output_param(layer, "weight_scale", (n, 1), torch.float32, list(output_sizes), 0)
+            row_scale_param(layer, "weight_scale", list(output_sizes))
         scalars = (() if self.channel_scales else ("weight_scale",)) + (("input_scale",) if self.static else ())
         register_tensor_scales(layer, scalars, len(output_sizes))
 

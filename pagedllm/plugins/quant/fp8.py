@@ -16,6 +16,16 @@ float32, and one GEMM on the quantized activations (exact in bf16 too) with floa
 gives the FP8 products; the scales are applied to its output. Block-scaled weights are
 dequantized once at load (their scales vary along the input, so they do not factor out
 of one GEMM).
+
+Tensor parallelism (layers.Linear's column / row split): the fp8 codes narrow like any
+weight; a per-tensor scale (one per fused shard) and a static input scale hold for every
+part of their tensor, so each rank keeps them whole; per-row scales follow their rows
+(split under column parallel, whole under row parallel); block scales are split by whole
+blocks, so a rank's rows (column) or input columns (row) must be a multiple of the block;
+`--quantization fp8` quantizes the rank's part as it arrives. Under row parallel each rank
+quantizes its slice of the activations per token (vLLM does the same), so the sum is close
+to one rank's result, not bitwise equal (static scales and blocks, elementwise or aligned
+with the split, round as one rank does).
 """
 
 from __future__ import annotations
@@ -31,6 +41,7 @@ from torch import nn
 from pagedllm import ops
 from pagedllm.core.contracts import LinearMethod, QuantConfig
 from pagedllm.ops.cpu import dense, features
+from pagedllm.plugins.models.layers import split_parameter
 from pagedllm.plugins.quant.int_weights import log_kernel_once
 
 logger = logging.getLogger("pagedllm")
@@ -58,16 +69,51 @@ def _scalar_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None)
 
 def register_tensor_scales(layer: nn.Module, names: tuple[str, ...], shards: int) -> None:
     """One float32 scale per checkpoint tensor (per fused shard) for each of `names`
-    (weight_scale, input_scale of per-tensor W8A8 checkpoints, stored as shape [] or [1])."""
+    (weight_scale, input_scale of per-tensor W8A8 checkpoints, stored as shape [] or [1]).
+    A scale holds for every part of its tensor: whole on every tensor-parallel rank."""
     for name in names:
         p = nn.Parameter(torch.ones(shards, dtype=torch.float32), requires_grad=False)
         p.weight_loader = _scalar_loader  # type: ignore[attr-defined]
+        split_parameter(p, None, [])
         layer.register_parameter(name, p)
+
+
+def row_scale_param(layer: nn.Module, name: str, output_sizes: list[int]) -> nn.Parameter:
+    """One float32 scale per output row [out, 1] (compressed-tensors' channel strategy):
+    split with the rows under column parallel, whole under row parallel (`input_dim`
+    None: its one column is not the layer's input)."""
+    offsets = [0]
+    for size in output_sizes:
+        offsets.append(offsets[-1] + size)
+    scale = nn.Parameter(torch.empty(offsets[-1], 1, dtype=torch.float32), requires_grad=False)
+    scale.output_offsets = offsets  # type: ignore[attr-defined]
+    scale.input_dim = None  # type: ignore[attr-defined]
+    layer.register_parameter(name, scale)
+    return scale
+
+
+def check_block_split(layer: nn.Module, output_sizes: list[int], input_size: int, block: tuple[int, int]) -> None:
+    """Refuse a tensor-parallel part that cuts a scale block: block scales are split by
+    whole blocks, so this rank's rows of each shard (column parallel) or its input
+    columns (row parallel) must be multiples of the block."""
+    bn, bk = block
+    parallel = getattr(layer, "parallel", None)
+    tp = getattr(getattr(layer, "tp", None), "size", 1)
+    if parallel == "column" and any(s % bn for s in output_sizes):
+        raise ValueError(f"fp8 {layer.prefix}: tensor_parallel_size={tp} gives this rank {output_sizes} output rows, "
+                         f"not whole weight blocks of {bn} rows; use a tensor_parallel_size that splits the layer "
+                         "into whole blocks")
+    if parallel == "row" and input_size % bk:
+        raise ValueError(f"fp8 {layer.prefix}: tensor_parallel_size={tp} gives this rank {input_size} input columns, "
+                         f"not whole weight blocks of {bk} columns; use a tensor_parallel_size that splits the layer "
+                         "into whole blocks")
 
 
 class Fp8LinearMethod(LinearMethod):
     """`channel_scales`: the checkpoint has one weight scale per output row ([out, 1], as
     compressed-tensors' channel strategy writes) instead of one per tensor."""
+
+    supports_tensor_parallel = True  # every layout splits (see the module docstring)
 
     def __init__(self, cfg: "Fp8Config", channel_scales: bool = False) -> None:
         self.cfg = cfg
@@ -89,20 +135,21 @@ class Fp8LinearMethod(LinearMethod):
             return
         if cfg.block is not None:
             bn, bk = cfg.block
+            check_block_split(layer, list(output_sizes), input_size, cfg.block)
             bad = [s for s in output_sizes if s % bn] if shards > 1 else []
             if bad:
                 raise ValueError(f"fp8 {layer.prefix}: fused shards {output_sizes} are not multiples of the "
                                  f"weight block size {bn}")
             scale = nn.Parameter(torch.empty(-(-n // bn), -(-input_size // bk), dtype=torch.float32),
                                  requires_grad=False)
+            # one scale per block: bn rows along the output, bk columns along the input
             scale.output_offsets, scale.pack_factor = offsets, bn  # type: ignore[attr-defined]
+            scale.input_pack_factor = bk  # type: ignore[attr-defined]
             layer.register_parameter("weight_scale_inv", scale)
             return
         scalars = ("input_scale",) if cfg.static else ()
         if self.channel_scales:
-            scale = nn.Parameter(torch.empty(n, 1, dtype=torch.float32), requires_grad=False)
-            scale.output_offsets = offsets  # type: ignore[attr-defined]
-            layer.register_parameter("weight_scale", scale)
+            row_scale_param(layer, "weight_scale", list(output_sizes))
         else:
             scalars = ("weight_scale",) + scalars
         register_tensor_scales(layer, scalars, shards)

@@ -10,6 +10,13 @@ Layouts, as the checkpoint's per-expert tensors arrive (`<prefix>.experts.{e}.ga
 * `--quantization fp8` on a float checkpoint: each expert's rows quantized as they load,
   one scale per output row.
 
+Parallelism (moe.py's ExpertSplit): every tensor is an `expert_parameter`, so expert
+parallelism loads only this rank's experts; under tensor parallelism the codes, the
+per-row scales of w13 and the block scales are sliced along the intermediate dim (block
+scales by whole blocks: this rank's intermediate size must be a multiple of the block),
+while per-tensor scales hold for every slice and w2's per-row scales (rows of the hidden
+size) stay whole.
+
 Activations are not quantized here (the experts run fp8 weights with float activations,
 W8A16, unlike the dense FP8 layers' W8A8): the dequantized GEMM is then exact up to float
 rounding, on every device (a CUDA fp8 grouped GEMM is still to come).
@@ -37,27 +44,39 @@ def _scalar_loader(param: torch.Tensor, loaded: torch.Tensor, where: tuple[int |
 
 
 class Fp8MoEMethod(MoEMethod):
+    supports_tensor_parallel = True  # see the module docstring
+
     def __init__(self, cfg) -> None:  # cfg: fp8.Fp8Config
         self.cfg = cfg
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, params_dtype):
         cfg, e, h, i = self.cfg, num_experts, hidden_size, intermediate_size
-        w13 = expert_parameter(layer, "w13_weight", (e, 2 * i, h), FP8, (i, i))
-        w2 = expert_parameter(layer, "w2_weight", (e, h, i), FP8)
+        w13 = expert_parameter(layer, "w13_weight", (e, 2 * i, h), FP8, (i, i), intermediate_dim=0)
+        w2 = expert_parameter(layer, "w2_weight", (e, h, i), FP8, intermediate_dim=1)
         if not cfg.serialized:  # float checkpoint: quantize each expert's rows as they arrive
-            for name, param, rows, shards in (("w13", w13, 2 * i, (i, i)), ("w2", w2, h, None)):
-                scale = expert_parameter(layer, f"{name}_row_scale", (e, rows), torch.float32, shards)
+            # w13's rows are the intermediate dim (sliced with them); w2's are the hidden size,
+            # each quantized over its whole row, then sliced: one rank's scales and codes exactly
+            for name, param, rows, shards, dim in (("w13", w13, 2 * i, (i, i), 0), ("w2", w2, h, None, None)):
+                scale = expert_parameter(layer, f"{name}_row_scale", (e, rows), torch.float32, shards,
+                                         intermediate_dim=dim)
                 scale.optional = True  # type: ignore[attr-defined]  # filled with the weight, never named
                 param.weight_loader = functools.partial(self._quantize_rows, scale)  # type: ignore[attr-defined]
             return
         if cfg.block is not None:
             bn, bk = cfg.block
+            tp = getattr(getattr(layer, "expert_split", None), "tp_size", 1)
             if i % bn:
-                raise ValueError(f"fp8 {layer.prefix}: moe_intermediate_size {i} is not a multiple of the "
-                                 f"weight block size {bn} (gate and up would share a scale block)")
+                raise ValueError(f"fp8 {layer.prefix}: moe_intermediate_size {i}"
+                                 f"{f' (per rank, over tensor_parallel_size={tp})' if tp > 1 else ''} is not a "
+                                 f"multiple of the weight block size {bn} (gate and up would share a scale block)")
+            if tp > 1 and i % bk:
+                raise ValueError(f"fp8 {layer.prefix}: tensor_parallel_size={tp} gives each rank {i} intermediate "
+                                 f"columns of down_proj, not whole weight blocks of {bk}; use a tensor_parallel_size "
+                                 "that splits the experts into whole blocks, or --enable-expert-parallel")
             expert_parameter(layer, "w13_weight_scale_inv", (e, 2 * i // bn, -(-h // bk)), torch.float32,
-                             (i // bn, i // bn))
-            expert_parameter(layer, "w2_weight_scale_inv", (e, -(-h // bn), -(-i // bk)), torch.float32)
+                             (i // bn, i // bn), intermediate_dim=0)
+            expert_parameter(layer, "w2_weight_scale_inv", (e, -(-h // bn), -(-i // bk)), torch.float32,
+                             intermediate_dim=1)
             return
         names = ("weight_scale", "input_scale") if cfg.static else ("weight_scale",)
         for suffix in names:
@@ -71,6 +90,9 @@ class Fp8MoEMethod(MoEMethod):
                        where: tuple[int | None, int | None]) -> None:
         from pagedllm.plugins.quant.fp8 import quantize_rows
 
+        split = getattr(param, "expert_split", None)
+        if split is not None and where[0] is not None and split.local_expert(where[0]) is None:
+            return  # another rank's expert: not quantized here
         codes, row_scale = quantize_rows(loaded)
         expert_loader(param, codes.view(loaded.shape), where)
         expert_loader(scale, row_scale.view(loaded.shape[:-1]), where)

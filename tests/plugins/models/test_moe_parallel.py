@@ -86,13 +86,13 @@ def test_expert_parallel_matches_one_rank(inputs):
 @pytest.mark.parametrize("expert_parallel", [False, True])
 def test_quantized_experts_are_refused_over_two_ranks(expert_parallel):
     from pagedllm.plugins.models.qwen_moe import Qwen3MoeSparseBlock
-    from pagedllm.plugins.quant.fp8 import Fp8Config
+    from pagedllm.plugins.quant.gguf_linear import GGUFConfig
 
-    quant = Fp8Config.from_config({}, {})
+    quant = GGUFConfig.from_config({}, {})
     Qwen3MoeSparseBlock(rm.make_context(ParallelState.single(), quant), 0, rm.PREFIX)  # one rank: fine
     state = rm.fake_state(ParallelLayout(2, 1, enable_expert_parallel=expert_parallel), 0)
     with pytest.raises(NotImplementedError,
-                       match=r"quantized experts \(Fp8MoEMethod\) with tensor_parallel_size > 1 are not supported"):
+                       match=r"quantized experts \(GGUFMoEMethod\) with tensor_parallel_size > 1 are not supported"):
         Qwen3MoeSparseBlock(rm.make_context(state, quant), 0, rm.PREFIX)
 
 

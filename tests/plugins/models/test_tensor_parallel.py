@@ -165,13 +165,13 @@ def test_a_quantized_method_is_refused_under_tensor_parallel():
     import transformers
 
     from pagedllm.plugins.models.llama import LlamaForCausalLM
-    from pagedllm.plugins.quant.fp8 import Fp8Config
+    from pagedllm.plugins.quant.awq import AWQConfig
 
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2)
-    quant = Fp8Config.from_config({}, {})
+    quant = AWQConfig.from_config({"bits": 4, "group_size": 16}, {})
     quant.bind(LlamaForCausalLM.packed_modules_mapping)
     LlamaForCausalLM(model_context(cfg, ParallelState.single(), quant))  # one rank: fine
-    with pytest.raises(NotImplementedError, match=r"quantization fp8 with tensor_parallel_size > 1 is not "
-                                                  r"supported yet; use an unquantized checkpoint"):
+    with pytest.raises(NotImplementedError, match=r"quantization awq with tensor_parallel_size > 1 is not "
+                                                  r"supported yet"):
         LlamaForCausalLM(model_context(cfg, fake_state(2, 1, 0), quant))
