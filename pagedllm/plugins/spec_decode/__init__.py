@@ -16,7 +16,7 @@ _SPEC_METHODS = {
     "ngram": ("ngram", "NgramProposer"),
     "suffix": ("suffix", "SuffixProposer"),
     "draft_model": ("draft_model", "DraftModelProposer"),
-    "eagle": ("eagle", "EagleProposer"),  # EAGLE-1: refused, saying what is missing
+    "eagle": ("eagle", "EagleProposer"),  # EAGLE-1 heads (fc over the target's last hidden state)
     "eagle3": ("eagle", "Eagle3Proposer"),
 }
 

@@ -49,6 +49,3 @@ def test_eagle3_errors(tiny_model_dir, tmp_path):
     with pytest.raises(ValueError, match="midlayer.self_attn.rotary.weight"):
         LLM(str(target), kv_cache_memory=1 << 24,
             speculative_config={"method": "eagle3", "model": str(bad), "num_speculative_tokens": 2})
-    with pytest.raises(NotImplementedError, match="EAGLE-1"):
-        LLM(str(target), kv_cache_memory=1 << 24,
-            speculative_config={"method": "eagle", "model": str(bad), "num_speculative_tokens": 2})

@@ -75,9 +75,11 @@ def test_config_defaults_and_errors():
         resolve_spec_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup": 3}, registry)
 
 
-def test_eagle1_is_refused_with_what_is_missing():
-    with pytest.raises(NotImplementedError, match="EAGLE-1"):
-        resolve_spec_config({"method": "eagle", "model": "/a/head", "num_speculative_tokens": 3}, get_registry())
+def test_eagle1_needs_its_head():
+    assert resolve_spec_config({"method": "eagle", "model": "/a/head", "num_speculative_tokens": 3},
+                               get_registry()).method == "eagle"
+    with pytest.raises(ValueError, match="needs \"model\""):
+        resolve_spec_config({"method": "eagle", "num_speculative_tokens": 3}, get_registry())
 
 
 def test_payoff_guard_drafts_where_they_pay():
