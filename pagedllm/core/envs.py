@@ -45,6 +45,10 @@ ENV_VARS: dict[str, EnvVar] = {
                "auto (default), highest or medium: whether float32 models may multiply with bf16 products "
                "where the hardware makes that faster; auto allows it only for --dtype auto on quantized "
                "checkpoints that name no float dtype (GGUF)."),
+        EnvVar("PAGEDLLM_FP8_ACTIVATIONS", None,
+               "auto (default): FP8 checkpoints quantize activations to fp8 (W8A8) only where the device "
+               "multiplies fp8 (CUDA 8.9+) and run weight-only (W8A16) elsewhere, every CPU included, as vLLM "
+               "does on GPUs without fp8; fp8: quantize them everywhere (a GPU's W8A8 numerics); float: never."),
         EnvVar("PAGEDLLM_FUSED_MOE_CHUNK_SIZE", "VLLM_FUSED_MOE_CHUNK_SIZE",
                "Tokens per chunk of a mixture-of-experts layer's grouped GEMMs (default 32768, as vLLM): "
                "bounds the intermediate buffers of long prefills."),

@@ -8,12 +8,17 @@ Checkpoints (vLLM's / llm-compressor's layout):
 `--quantization fp8` on a float checkpoint quantizes each weight as it loads (one scale
 per output row), so a full-precision copy of the model is never held.
 
-Activations are quantized per token (dynamic) or with the static input scale, as W8A8
-runs them. Compute: on CUDA with FP8 tensor cores (compute capability 8.9+),
-`torch._scaled_mm`; on the CPU, which has no FP8 arithmetic, the codes are widened to bf16
-(exact: every e4m3 value is a bf16 value) where the CPU multiplies bf16 natively, else to
-float32, and one GEMM on the quantized activations (exact in bf16 too) with float32 sums
-gives the FP8 products; the scales are applied to its output. Block-scaled weights are
+Activations: W8A8 quantizes them per token (dynamic), with the static input scale, or per
+token and group of bk (blocks), so that FP8 tensor cores can multiply them. Only a device
+that multiplies fp8 gains from it: on CUDA 8.9+ (`torch._scaled_mm`) they are quantized as
+the checkpoint says; elsewhere, every CPU included (none has FP8 arithmetic), the layer runs
+weight-only, W8A16, as vLLM runs FP8 checkpoints on GPUs without fp8 (its Marlin path):
+rounding activations to a 3-bit mantissa would cost accuracy (+1-3% perplexity on SmolLM2)
+and buy no speed, since the GEMM is the same. `PAGEDLLM_FP8_ACTIVATIONS=fp8` quantizes them
+everywhere (a GPU's numerics on the CPU), `float` never. On the CPU the codes are widened to
+bf16 (exact: every e4m3 value is a bf16 value) where the CPU multiplies bf16 natively with
+float32 sums (the activations are then rounded to bf16), else to float32 (exact), and one
+GEMM gives the products; the scales are applied to its output. Block-scaled weights are
 dequantized once at load (their scales vary along the input, so they do not factor out
 of one GEMM).
 
@@ -39,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import ops
+from pagedllm.core import envs
 from pagedllm.core.contracts import LinearMethod, QuantConfig
 from pagedllm.ops.cpu import dense, features
 from pagedllm.plugins.models.layers import split_parameter
@@ -59,6 +65,17 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     scale = (shaped.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=EPS)
     codes = (shaped / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return codes.view_as(rows), scale.squeeze(-1)
+
+
+def quantizes_activations(device: torch.device) -> bool:
+    """Whether FP8 layers on `device` quantize their inputs to fp8 (W8A8) or run weight-only
+    (W8A16): PAGEDLLM_FP8_ACTIVATIONS, by default only where fp8 products exist."""
+    setting = (envs.get("PAGEDLLM_FP8_ACTIVATIONS") or "auto").strip().lower()
+    if setting not in ("auto", "fp8", "float"):
+        raise ValueError(f"PAGEDLLM_FP8_ACTIVATIONS must be auto, fp8 or float, got {setting!r}")
+    if setting != "auto":
+        return setting == "fp8"
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
 def _scalar_loader(param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -169,6 +186,8 @@ class Fp8LinearMethod(LinearMethod):
         device = codes.device
         layer.fp8_input_scale = None
         layer.fp8_block = None
+        layer.fp8_w8a8 = quantizes_activations(device)
+        acts = "W8A8" if layer.fp8_w8a8 else "W8A16"
         if cfg.serialized and cfg.block is not None:
             bn, bk = cfg.block
             s = layer.weight_scale_inv.data
@@ -179,8 +198,8 @@ class Fp8LinearMethod(LinearMethod):
             if not layer.fp8_dense.owns_copy:
                 layer.register_parameter("weight", nn.Parameter(dense_w, requires_grad=False))
             layer.fp8_block = bk
-            layer.fp8_kind = "block-dequantized"
-            log_kernel_once("fp8", f"block-dequantized ({getattr(layer.fp8_dense, 'kind', 'dense')})")
+            layer.fp8_kind = f"block-dequantized {acts}"
+            log_kernel_once("fp8", f"{layer.fp8_kind} ({getattr(layer.fp8_dense, 'kind', 'dense')})")
             return
         if cfg.serialized:
             sizes = torch.tensor(layer.fp8_sizes, device=device)
@@ -195,26 +214,26 @@ class Fp8LinearMethod(LinearMethod):
             row_scale = layer.fp8_row_scale
         layer.fp8_row_scale = row_scale.float().contiguous()
         del layer.weight
-        if device.type == "cuda" and codes.shape[0] % 16 == 0 and codes.shape[1] % 16 == 0:
+        if layer.fp8_w8a8 and device.type == "cuda" and codes.shape[0] % 16 == 0 and codes.shape[1] % 16 == 0:
             layer.register_parameter("weight", nn.Parameter(codes, requires_grad=False))
             layer.fp8_kind = "scaled_mm"
             layer.fp8_gemm = None
-        elif device.type == "cuda":  # shapes _scaled_mm does not take: bf16 GEMM on the widened codes
+        elif device.type == "cuda":  # W8A16, or shapes _scaled_mm does not take: bf16 GEMM on the widened codes
             wide = codes.to(torch.bfloat16)
             layer.fp8_gemm = lambda xq, w=wide: F.linear(xq.to(torch.bfloat16), w).float()
-            layer.fp8_kind = "fp8-as-bf16 (cuda)"
+            layer.fp8_kind = f"fp8-as-bf16 {acts} (cuda)"
         elif features.detect().native_bf16 and dense.bf16_available() and dense.bf16_sums_in_float32():
             # FP8 codes are exact in bf16, so bf16 products lose nothing; bf16-rounded sums
             # (oneDNN on AVX512-BF16 CPUs such as Zen 4) would, so those take float32 below
             packed = dense.prepack_bf16(codes.to(torch.bfloat16))
             layer.fp8_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
-            layer.fp8_kind = f"fp8-as-bf16 ({dense.bf16_kernel()})"
+            layer.fp8_kind = f"fp8-as-bf16 {acts} ({dense.bf16_kernel()})"
         else:
             wide = codes.float()
             packed = dense.prepack(wide) if dense.available() else None
             layer.fp8_gemm = (functools.partial(dense.linear, packed=packed, bias=None) if packed is not None
                               else functools.partial(F.linear, weight=wide))
-            layer.fp8_kind = "fp8-as-f32"
+            layer.fp8_kind = f"fp8-as-f32 {acts}"
         log_kernel_once("fp8", layer.fp8_kind)
 
     def apply(self, layer, x, bias):  # the kind chosen at load is logged once (see process_after_loading)
@@ -225,10 +244,16 @@ class Fp8LinearMethod(LinearMethod):
             if k % bk:
                 raise NotImplementedError(f"fp8 {layer.prefix}: block activations need the input size {k} to be a "
                                           f"multiple of {bk}")
-            codes, scale = quantize_rows(x2, bk)
-            xq = (codes.float().view(x2.shape[0], -1, bk) * scale[..., None]).view_as(x2).to(x.dtype)
-            out = layer.fp8_dense(xq, bias)
+            if layer.fp8_w8a8:
+                codes, scale = quantize_rows(x2, bk)
+                x2 = (codes.float().view(x2.shape[0], -1, bk) * scale[..., None]).view_as(x2).to(x.dtype)
+            out = layer.fp8_dense(x2, bias)
             return out.view(*x.shape[:-1], out.shape[-1])
+        if not layer.fp8_w8a8:  # weight-only: the widened codes times the activations, then the row scales
+            out = layer.fp8_gemm(x2.float()).float() * layer.fp8_row_scale
+            if bias is not None:
+                out = out + bias
+            return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
         if layer.fp8_input_scale is not None:
             x_scale = torch.full((x2.shape[0], 1), layer.fp8_input_scale, dtype=torch.float32, device=x.device)
             xq = (x2.float() / layer.fp8_input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
@@ -292,6 +317,7 @@ class Fp8Config(QuantConfig):
         return Fp8MoEMethod(self)
 
     def check(self, device: torch.device, dtype: torch.dtype) -> list[str]:
+        quantizes_activations(device)  # a bad PAGEDLLM_FP8_ACTIVATIONS fails before any weight loads
         if device.type == "cuda" and self.block is None:
             major, minor = torch.cuda.get_device_capability(device)
             if (major, minor) < (8, 9):

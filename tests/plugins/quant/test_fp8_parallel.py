@@ -81,6 +81,15 @@ def split_row_reference(src, ref) -> None:
     write_pair(src, ref.parent / "unused", ref, quant, dense, {})
 
 
+@pytest.fixture(scope="module", autouse=True)
+def w8a8():
+    """The W8A8 cases quantize activations as a GPU would (on the CPU FP8 runs weight-only
+    by default, see fp8.py; the weight-only cases below unset this); spawned ranks inherit it."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PAGEDLLM_FP8_ACTIVATIONS", "fp8")
+        yield
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[str, str | None, str]]:
     """name -> (checkpoint dir, --quantization flag, dequantized float reference dir)."""
@@ -127,6 +136,19 @@ def expert_parallel(checkpoints) -> dict[str, list[dict]]:
     return on_ranks(ParallelLayout(TP, 1, enable_expert_parallel=True), checkpoints, EP_CASES)
 
 
+WEIGHT_ONLY = [n for n in ("per-tensor-dynamic", "flag-fp8", "qwen3moe-per-tensor", "qwen3moe-flag-fp8", "ct-fp8-channel") if n in CASES]
+
+
+@pytest.fixture(scope="module")
+def weight_only(checkpoints) -> tuple[dict[str, dict], dict[str, list[dict]]]:
+    """(one rank, two ranks) with FP8's CPU default, weight-only: no activation rounding,
+    so the dynamic layouts too must decode what one rank does."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("PAGEDLLM_FP8_ACTIVATIONS")
+        one = {n: r[0] for n, r in on_ranks(ParallelLayout(1, 1), checkpoints, WEIGHT_ONLY).items()}
+        return one, on_ranks(ParallelLayout(TP, 1), checkpoints, WEIGHT_ONLY)
+
+
 def log_probs(result: dict) -> torch.Tensor:
     return torch.log_softmax(torch.from_numpy(result["logits"]).double(), -1)  # [steps + 1, prompts, vocab]
 
@@ -158,15 +180,15 @@ def rank_rounding_hook(name: str, in_features: int, int8: bool = False):
     return hook
 
 
-def assert_matches_rank_rounding(name: str, ranks: list[dict], ref_dir: str) -> None:
-    """transformers on the dequantized weights, inputs rounded as the ranks round them,
-    teacher-forced on the ranks' tokens: the same log-probabilities, and the ranks' tokens
-    are its argmax."""
+def assert_matches_rank_rounding(name: str, ranks: list[dict], ref_dir: str, round_inputs: bool = True) -> None:
+    """transformers on the dequantized weights, inputs rounded as the ranks round them
+    (unless `round_inputs` is False: weight-only), teacher-forced on the ranks' tokens: the
+    same log-probabilities, and the ranks' tokens are its argmax."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(ref_dir, dtype=torch.float32).eval()
     for module_name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and LINEAR.match(module_name + ".weight"):
+        if round_inputs and isinstance(module, torch.nn.Linear) and LINEAR.match(module_name + ".weight"):
             module.register_forward_pre_hook(rank_rounding_hook(module_name, module.in_features,
                                                                 int8=name.startswith("ct-int8")))
     first = ranks[0]
@@ -207,6 +229,19 @@ def test_aligned_scales_on_two_ranks_decode_what_one_rank_does(name, two_ranks, 
 def test_dynamic_scales_on_two_ranks_round_each_ranks_slice(name, two_ranks, one_rank, checkpoints):
     assert_matches_rank_rounding(name, two_ranks[name], checkpoints[name][2])
     assert_holds_its_half(name, two_ranks[name], one_rank[name]["held"])
+
+
+@pytest.mark.parametrize("name", WEIGHT_ONLY)
+def test_weight_only_fp8_on_two_ranks_decodes_what_one_rank_does(name, weight_only, checkpoints):
+    """`--quantization fp8` rounds each rank's part of a row-parallel weight with its own
+    row scales (split_row_reference): that one is held to transformers on those weights."""
+    one, two = weight_only
+    assert all("W8A16" in r["held"]["self_attn.o_proj"]["kind"] for r in two[name]), two[name][0]["held"]
+    if checkpoints[name][1] == "fp8":
+        assert_matches_rank_rounding(name, two[name], checkpoints[name][2], round_inputs=False)
+    else:
+        assert_same_as_one_rank(name, two[name], one[name])
+    assert_holds_its_half(name, two[name], one[name]["held"])
 
 
 @pytest.mark.skipif(not HAVE_CT, reason="needs the compressed-tensors library to write its checkpoints")
