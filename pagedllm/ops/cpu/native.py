@@ -41,7 +41,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 5  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 6  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
@@ -56,6 +56,7 @@ _SIGNATURES = {
     "pd_has_avx2": (_i32, []),
     "pd_repack": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p]),
     "pd_linear_packed": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64]),
+    "pd_linear_packed_gemm": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64]),
     "pd_linear_lut4": (_i32, [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _i64]),
     "pd_dequantize": (_i32, [_i32, _p, _i64, _i64, _p]),
     "pd_sgemm_pack": (None, [_p, _i64, _i64, _p]),
@@ -278,20 +279,23 @@ def _output(out: torch.Tensor | None, m: int, n: int) -> torch.Tensor:
     return out
 
 
-def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, w: PackedWeight, out: torch.Tensor | None = None, gemm: bool = False) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W^T -> [M, N]. `out` may be a column slice of a
-    wider [M, *] float32 output (its row stride is honoured)."""
+    wider [M, *] float32 output (its row stride is honoured). `gemm`: decode W panel by
+    panel into the float32 GEMM (pd_linear_packed_gemm: for many rows, where decoding
+    each weight once per row block beats streaming the codes per row)."""
     lib = _lib()
     m, k = x.shape
     if k != w.k:
         raise ValueError(f"x has {k} columns, the weight {w.k}")
     out = _output(out, m, w.n)
-    rc = lib.pd_linear_packed(w.qtype, _ptr(x, "x", torch.float32), m, k, *w.pointers, w.n, out.data_ptr(),
-                              out.stride(0))
+    name = "pd_linear_packed_gemm" if gemm else "pd_linear_packed"
+    rc = getattr(lib, name)(w.qtype, _ptr(x, "x", torch.float32), m, k, *w.pointers, w.n, out.data_ptr(),
+                            out.stride(0))
     if rc == PD_ENOMEM:
-        raise MemoryError(f"pd_linear_packed: out of memory for {m}x{k} activations")
+        raise MemoryError(f"{name}: out of memory for {m}x{k} activations")
     if rc != PD_OK:
-        raise ValueError(f"pd_linear_packed: ggml type {w.qtype} or K={k} not supported")
+        raise ValueError(f"{name}: ggml type {w.qtype} or K={k} not supported")
     return out
 
 

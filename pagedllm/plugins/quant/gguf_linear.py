@@ -131,6 +131,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_has_dense = False
         layer.gguf_dense = None  # ops.pack_linear of the dense copy
         layer.gguf_native_below = 0  # batches of fewer rows read the blocks (with a dense copy)
+        layer.gguf_gemm_from = crossover.NEVER  # keep-quantized: rows from which the blocks run as a GEMM
         layer.gguf_int4 = None  # torch's int4 kernel, where it beat the native one for single rows
 
     @staticmethod
@@ -177,6 +178,12 @@ class GGUFLinearMethod(LinearMethod):
             row += rows
         layer.gguf_has_dense = bool(dense)
         if not dense:
+            if layer.gguf_packed:  # keep-quantized: many rows decode the blocks into the GEMM
+                types = "+".join(type_name(q).lower() for q, _ in groups)
+                layer.gguf_gemm_from = crossover.rows_from(
+                    f"gguf-{types}|rows|gemm|{row}x{layer.gguf_input_size}",
+                    functools.partial(_native_linear, layer, gemm=False),
+                    functools.partial(_native_linear, layer, gemm=True), layer.gguf_input_size)
             return
         weight = (dense[0] if len(dense) == 1 else torch.cat(dense)).to(layer.gguf_params_dtype)
         layer.gguf_dense = ops.pack_linear(weight)
@@ -213,15 +220,18 @@ class GGUFLinearMethod(LinearMethod):
         return F.linear(x, dense, bias)
 
 
-def _native_linear(layer: nn.Module, x2: torch.Tensor) -> torch.Tensor:
-    """x2 [rows, K] float32 @ W^T from the repacked block groups."""
+def _native_linear(layer: nn.Module, x2: torch.Tensor, gemm: bool | None = None) -> torch.Tensor:
+    """x2 [rows, K] float32 @ W^T from the repacked block groups; `gemm` (default: from
+    the layer's measured row count) decodes them panel by panel into the float32 GEMM."""
     x2 = x2.contiguous()
+    if gemm is None:
+        gemm = x2.shape[0] >= layer.gguf_gemm_from
     packed = layer.gguf_packed
     if len(packed) == 1:
-        return native.linear(x2, packed[0][0])
+        return native.linear(x2, packed[0][0], gemm=gemm)
     out = torch.empty(x2.shape[0], sum(layer.gguf_output_sizes), dtype=torch.float32)
     for weight, start, end in packed:
-        native.linear(x2, weight, out[:, start:end])
+        native.linear(x2, weight, out[:, start:end], gemm=gemm)
     return out
 
 

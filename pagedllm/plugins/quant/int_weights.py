@@ -10,7 +10,10 @@ into what runs:
   of nibbles with a float32 scale d = s and offset m = -s * z per block (a group of 128 is
   four blocks sharing one pair), exactly the format's values, since s * q - s * z is
   exact in float32 for fp16 scales and 4-bit codes. 8-bit symmetric codes (z = 128) take
-  the native 8-bit kernel. No call dequantizes the matrix.
+  the native 8-bit kernel. No call dequantizes the matrix: few rows stream the codes per
+  row; from a row count measured per layer shape at load (crossover.py) the codes are
+  decoded panel by panel into the float32 GEMM (pd_linear_packed_gemm), once per block
+  of rows, at about the dense GEMM's speed and with no dense copy kept.
 * on CUDA, a Triton dequant-GEMM (triton_int.py) on the codes packed in int32 words.
 * elsewhere (no kernel reads them: group sizes that are not a multiple of 32 on the CPU,
   8-bit codes with zeros) a dense copy made once at load, in the compute dtype, which the
@@ -19,6 +22,7 @@ into what runs:
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -27,7 +31,7 @@ from torch import nn
 
 from pagedllm import ops
 from pagedllm.core.contracts import LinearMethod
-from pagedllm.ops.cpu import native
+from pagedllm.ops.cpu import crossover, native
 
 logger = logging.getLogger("pagedllm")
 
@@ -163,6 +167,7 @@ class IntLinear:
         self.parts: list[tuple[native.PackedWeight, torch.Tensor | None, int, int]] = []
         self.triton_parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, IntGroups, int, int]] = []
         self.dense = None
+        self.gemm_from = crossover.NEVER  # rows from which the native parts run as a GEMM
         kernel = kernel or ("triton" if device.type == "cuda" and _triton_reads(parts) else "native")
         packed = [_native_weight(p) for p in parts] if kernel == "native" and device.type == "cpu" \
             and native.available() else []
@@ -183,12 +188,23 @@ class IntLinear:
                 self.parts.append((w, perm, row, row + w.n))
                 row += w.n
             self.kind = f"native-{'+'.join(f'int{p.bits}' for p in parts)}"
+            self.gemm_from = crossover.rows_from(f"{self.kind}|rows|gemm|{self.n}x{self.k}", self._native,
+                                                 functools.partial(self._native, gemm=True), self.k)
         else:
             weight = torch.cat([p.dequantize() for p in parts]).to(dtype)
             self.dense = ops.pack_linear(weight)
             self.kind = f"dense-{dtype}".replace("torch.", "")
             logger.info("%s: no native kernel reads it on %s (group %d, %d bits): dequantized once at load to %s",
                         what, device.type, parts[0].group, parts[0].bits, str(dtype).replace("torch.", ""))
+
+    def _native(self, x2: torch.Tensor, gemm: bool = False) -> torch.Tensor:
+        """float32 [rows, N] from the native parts (`gemm`: decoded into the float32 GEMM)."""
+        if len(self.parts) == 1 and self.parts[0][1] is None:
+            return native.linear(x2, self.parts[0][0], gemm=gemm)
+        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32, device=x2.device)
+        for w, perm, start, end in self.parts:
+            native.linear(x2 if perm is None else x2.index_select(1, perm), w, out[:, start:end], gemm=gemm)
+        return out
 
     def register(self, layer: nn.Module) -> None:
         """Make the kernel's tensors parameters of `layer` (memory accounting and state
@@ -220,12 +236,7 @@ class IntLinear:
             if bias is not None:
                 out += bias
             return out.to(x.dtype).view(*x.shape[:-1], self.n)
-        if len(self.parts) == 1 and self.parts[0][1] is None:
-            out = native.linear(x2, self.parts[0][0])
-        else:
-            out = torch.empty(rows, self.n, dtype=torch.float32, device=x.device)
-            for w, perm, start, end in self.parts:
-                native.linear(x2 if perm is None else x2.index_select(1, perm), w, out[:, start:end])
+        out = self._native(x2, gemm=rows >= self.gemm_from)
         if bias is not None:
             out += bias
         return out.to(x.dtype).view(*x.shape[:-1], self.n)

@@ -217,6 +217,27 @@ def test_pack_once_then_linear(name):
             f"{name} M={m}: linear wrote outside its column slice"
 
 
+@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize("m", [1, 5, 6, 13, 97, 200])  # partial 6-row tiles; more than one 96-row block
+@pytest.mark.parametrize("n, k", [(37, 96), (16, 1600)])  # a partial 16-column panel; K over one 1536 block
+def test_gemm_path_equals_the_dequantized_weights(name, m, n, k):
+    """pd_linear_packed_gemm (panels decoded into the float32 GEMM) gives the product with
+    the dequantized weights to float32 accuracy, into `out` column slices too."""
+    qtype = QTYPES[name]
+    gen = torch.Generator().manual_seed(90 + qtype + m + n)
+    raw = random_blocks(qtype, n, k, gen)
+    packed = native.pack(raw, qtype, k)
+    w = oracle_weights(raw, qtype, n, k).double()
+    x = torch.randn(m, k, generator=gen) * 2
+    got = native.linear(x, packed, gemm=True)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    assert_close_to(got, x.double() @ w.T, linear_q_bound(x, raw, qtype, n, k), f"{name} gemm M={m} N={n} K={k}")
+    wide = torch.full((m, n + 6), -5.5)
+    native.linear(x, packed, out=wide[:, 2:2 + n], gemm=True)
+    assert torch.equal(wide[:, 2:2 + n], got), f"{name} M={m}: gemm into a column slice differs"
+    assert (wide[:, :2] == -5.5).all() and (wide[:, 2 + n:] == -5.5).all(), f"{name}: gemm wrote outside its slice"
+
+
 def test_pack_and_linear_reject_bad_arguments():
     gen = torch.Generator().manual_seed(4)
     raw = random_blocks(Q8_0, 4, 32, gen)  # [4, 34]: rows of K=32

@@ -265,13 +265,23 @@ def test_tiny_gguf_matches_its_hf_directory(tiny_model_dir, tmp_path, arch) -> N
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_tiny_keep_quantized_q8_0_matches_dequantized(tiny_model_dir, tmp_path) -> None:
+@pytest.mark.parametrize("gemm", [False, True])
+def test_tiny_keep_quantized_q8_0_matches_dequantized(tiny_model_dir, tmp_path, monkeypatch, gemm) -> None:
+    """`gemm`: the blocks decoded into the float32 GEMM from one row on (its measured
+    crossover forced), the path keep-quantized layers take for large batches."""
+    from pagedllm.ops.cpu import crossover
+
     hf_dir = tiny_model_dir("qwen2")  # untied head, q/k/v biases: fused shards + bias loading
     path = write_gguf(hf_dir, tmp_path / "tiny-q8.gguf", "qwen2", linear_type=T.Q8_0)
     dense = _greedy(_tiny_llm(path, hf_dir), TINY_PROMPTS)
+    if gemm:
+        measured = crossover.rows_from
+        monkeypatch.setattr(crossover, "rows_from",
+                            lambda what, *a: 1 if "|rows|gemm|" in what else measured(what, *a))
     keep_llm = _tiny_llm(path, hf_dir, plugin_options={"gguf_keep_quantized": True})
     gate_up = keep_llm.engine.worker.model.model.layers[1].mlp.gate_up_proj
     assert gate_up.qweight.dtype == torch.uint8 and not hasattr(gate_up, "weight")
+    assert gate_up.gguf_gemm_from == 1 or not gemm
     kept = _greedy(keep_llm, TINY_PROMPTS)
     for a, b in zip(kept, dense):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

@@ -47,6 +47,22 @@ def test_matches_transformers_on_the_dequantized_weights(tiny_model_dir, tmp_pat
     assert_parity(run_engine(llm, PROMPTS), reference(ref, PROMPTS))
 
 
+@pytest.mark.parametrize("case", ["awq-g32", "gptq-4bit-act-order", "gptq-8bit-sym"])
+def test_many_rows_decode_the_codes_into_the_gemm(tiny_model_dir, tmp_path, case, monkeypatch):
+    """The GEMM path (codes decoded panel by panel, chosen from a measured row count) with
+    its crossover forced to one row: every call takes it, and the parity holds."""
+    from pagedllm.ops.cpu import crossover
+
+    measured = crossover.rows_from
+    monkeypatch.setattr(crossover, "rows_from",
+                        lambda what, *a: 1 if "|rows|gemm|" in what else measured(what, *a))
+    out, ref = build(tiny_model_dir, tmp_path, **CASES[case])
+    llm = engine(out)
+    qkv = llm.engine.worker.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.int_kernel.kind.startswith("native-") and qkv.int_kernel.gemm_from == 1
+    assert_parity(run_engine(llm, PROMPTS), reference(ref, PROMPTS))
+
+
 def test_fused_layers_run_on_the_native_kernels(tiny_model_dir, tmp_path):
     out, _ = build(tiny_model_dir, tmp_path, fmt="gptq", group=32, sym=True, act_order=True)
     model = engine(out).engine.worker.model

@@ -104,14 +104,32 @@ static void sgemm_tile(int64_t kc, const float *xp, const float *wp, float *y, i
 #endif
 }
 
-/* y (row stride ldy) = x [M, K] (row stride ldx) @ W^T + bias (may be NULL), W from
- * pd_sgemm_pack. Work items are (block of rows, run of 16-column panels); threads take
- * them dynamically, each packing its own x block. Returns PD_OK, or PD_ENOMEM when out of memory. */
-int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
-             float *y, int64_t ldy) {
+/* Where a 16-column panel of W comes from, for rows [k0, k0 + kc) of K: pd_sgemm's
+ * packed copy (a pointer into it), or decoded on the fly into `buf` (kc x 16 floats, the
+ * calling thread's) by pd_linear_packed_gemm. */
+typedef const float *(*sg_panel_fn)(const void *ctx, int64_t p, int64_t k0, int64_t kc, float *buf);
+
+typedef struct {
+    const float *wp;
+    int64_t K;
+} sg_dense_src;
+
+static const float *sg_dense_panel(const void *ctx, int64_t p, int64_t k0, int64_t kc, float *buf) {
+    (void)kc;
+    (void)buf;
+    const sg_dense_src *src = (const sg_dense_src *)ctx;
+    return src->wp + p * src->K * SG_NR + k0 * SG_NR;
+}
+
+/* The GEMM driver both entry points share. Work items are (block of rows, run of
+ * 16-column panels); threads take them dynamically, each packing its own x block (and
+ * decoding its own panels). `kalign`: K blocks start at multiples of it. */
+static int sgemm_run(const float *x, int64_t ldx, int64_t M, int64_t K, sg_panel_fn panel, const void *ctx,
+                     int64_t kalign, int64_t N, const float *bias, float *y, int64_t ldy) {
     if (M <= 0 || N <= 0) return PD_OK;
     int64_t panels = (N + SG_NR - 1) / SG_NR;
     int64_t kblocks = (K + SG_KC - 1) / SG_KC, kcb = kblocks ? (K + kblocks - 1) / kblocks : 0;
+    kcb = (kcb + kalign - 1) / kalign * kalign;
     int64_t mblocks = (M + SG_MC - 1) / SG_MC, mcb = (M + mblocks - 1) / mblocks;
     mcb = (mcb + SG_MR - 1) / SG_MR * SG_MR;
     mblocks = (M + mcb - 1) / mcb;
@@ -128,7 +146,8 @@ int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp,
     int failed = 0;
 #pragma omp parallel
     {
-        float *xp = (float *)malloc((size_t)(mcb * kcb) * sizeof(float));
+        float *xp = (float *)malloc((size_t)(mcb * kcb + kcb * SG_NR) * sizeof(float));
+        float *wbuf = xp == NULL ? NULL : xp + mcb * kcb;
         if (xp == NULL) {
 #pragma omp atomic write
             failed = 1;
@@ -145,7 +164,7 @@ int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp,
                     for (int64_t p = p0; p < p1; p++) {
                         int64_t n0 = p * SG_NR;
                         int nr = (int)(N - n0 < SG_NR ? N - n0 : SG_NR);
-                        const float *wpp = wp + p * K * SG_NR + k0 * SG_NR;
+                        const float *wpp = panel(ctx, p, k0, kc, wbuf);
                         for (int64_t i = 0; i < mc; i += SG_MR)
                             sgemm_tile(kc, xp + i * kc, wpp, y + (i0 + i) * ldy + n0, ldy,
                                        (int)(mc - i < SG_MR ? mc - i : SG_MR), nr, k0 > 0,
@@ -156,4 +175,62 @@ int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp,
         free(xp);
     }
     return failed ? PD_ENOMEM : PD_OK;
+}
+
+/* y (row stride ldy) = x [M, K] (row stride ldx) @ W^T + bias (may be NULL), W from
+ * pd_sgemm_pack. Returns PD_OK, or PD_ENOMEM when out of memory. */
+int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
+             float *y, int64_t ldy) {
+    sg_dense_src src = {wp, K};
+    return sgemm_run(x, ldx, M, K, sg_dense_panel, &src, 1, N, bias, y, ldy);
+}
+
+/* ------------------------------------------------------------------ quantized GEMM
+ * y = x @ W^T for W in pd_repack's layout (quant.c: codes, and float32 d, m per 32-value
+ * block; m NULL for Q8_0), for batches large enough that the product is compute bound:
+ * each 16-row panel of W is decoded into the panel layout above (per thread, per block of
+ * x rows and of K) and multiplied by the same register-blocked kernel. A weight is decoded
+ * once per block of up to 96 rows of x instead of once per row (pd_linear_packed), and no
+ * dense copy is kept. Values are d*q + m (fmaf) in float32, as gguf_dequant.py and
+ * quant.c's scalar path compute them. */
+typedef struct {
+    int qtype;
+    const uint8_t *codes;
+    const float *d, *m;
+    int64_t N, K;
+} sg_quant_src;
+
+static const float *sg_quant_panel(const void *ctx, int64_t p, int64_t k0, int64_t kc, float *buf) {
+    const sg_quant_src *src = (const sg_quant_src *)ctx;
+    int q8 = src->qtype == 8; /* PD_Q8_0; Q4_0 and Q4_1 share the nibble layout (m = -8d for Q4_0) */
+    int64_t nblocks = src->K / 32, cb = q8 ? 32 : 16;
+    for (int j = 0; j < SG_NR; j++) {
+        int64_t n = p * SG_NR + j;
+        if (n >= src->N) {
+            for (int64_t k = 0; k < kc; k++) buf[k * SG_NR + j] = 0.0f;
+            continue;
+        }
+        const uint8_t *cn = src->codes + n * nblocks * cb;
+        for (int64_t blk = k0 / 32; blk < (k0 + kc) / 32; blk++) {
+            float db = src->d[n * nblocks + blk], mb = src->m != NULL ? src->m[n * nblocks + blk] : 0.0f;
+            const uint8_t *c = cn + blk * cb;
+            float *dst = buf + (blk * 32 - k0) * SG_NR + j;
+            if (q8) {
+                for (int i = 0; i < 32; i++) dst[i * SG_NR] = db * (float)(int8_t)c[i];
+            } else {
+                for (int i = 0; i < 16; i++) {
+                    dst[i * SG_NR] = fmaf((float)(c[i] & 0x0F), db, mb);
+                    dst[(i + 16) * SG_NR] = fmaf((float)(c[i] >> 4), db, mb);
+                }
+            }
+        }
+    }
+    return buf;
+}
+
+int pd_linear_packed_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d,
+                          const float *m, int64_t N, float *y, int64_t ldy) {
+    if ((qtype != 2 && qtype != 3 && qtype != 8) || K % 32 != 0) return PD_EINVAL;
+    sg_quant_src src = {qtype, codes, d, qtype == 8 ? NULL : m, N, K};
+    return sgemm_run(x, K, M, K, sg_quant_panel, &src, 32, N, NULL, y, ldy);
 }
