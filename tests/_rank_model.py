@@ -127,8 +127,9 @@ def _decode(model: torch.nn.Module, state: ParallelState, prompts: Sequence[Sequ
     per_seq = -(-(max(map(len, prompts)) + steps + 1) // BLOCK_SIZE)
     block_ids = [list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)) for i in range(len(prompts))]
     caches = kv_caches(model, state, 1 + len(prompts) * per_seq)
-    builder = model.context.attention_backend.builder_cls()(
-        model.context.attention_spec(*_rank_heads(model, state)))
+    spec = type(model).kv_cache_spec(model.context.hf_config).for_tensor_parallel(state.tp.size)
+    builder = model.context.attention_backend.builder_cls()(  # as the worker's: MLA's kind too
+        model.context.attention_spec(*_rank_heads(model, state), kind=spec.kind, value_size=spec.value_size))
     # the tokens come from tp rank 0 of the last stage (every rank of it has the same logits)
     sampler_rank = (state.pp.size - 1) * state.tp.size
     new, computed = [list(p) for p in prompts], [0] * len(prompts)
@@ -161,3 +162,16 @@ def _rank_heads(model: torch.nn.Module, state: ParallelState) -> tuple[int, int,
 def generate_all(state: ParallelState, paths: Sequence[str]) -> list[dict[str, Any]]:
     """`generate` for several checkpoints in one set of spawned ranks (spawning is the slow part)."""
     return [generate(state, p) for p in paths]
+
+
+def assert_same_as_one_rank(ranks: Sequence[dict[str, Any]], ref: dict[str, Any], last: Sequence[int],
+                            atol: float = 1e-4) -> None:
+    """Every rank decoded the one-rank reference's greedy tokens, and the ranks of the last
+    pipeline stage (`last`, global ranks) also got its logits within `atol` (float32)."""
+    assert all(len(set(seq)) > 3 for seq in ref["tokens"]), "a degenerate reference proves nothing"
+    for rank, got in enumerate(ranks):
+        assert got["tokens"] == ref["tokens"], f"rank {rank}"
+        assert ("logits" in got) == (rank in last), f"rank {rank}"
+        if rank in last:
+            assert got["logits"].shape == ref["logits"].shape, f"rank {rank}"
+            torch.testing.assert_close(got["logits"], ref["logits"], atol=atol, rtol=0, msg=f"rank {rank}")

@@ -35,6 +35,16 @@ scores, `topk_group` kept), renormalized when `norm_topk_prob`; V2 with softmax 
 "greedy" (plain top-k) or "group_limited_greedy" (groups ranked by their best score).
 Both multiply the weights by `routed_scaling_factor`. The router (`mlp.gate`) runs in
 float32, as transformers keeps it.
+
+Parallelism. Tensor parallelism splits MLA by heads: q_a_proj and kv_a_proj_with_mqa (small
+down-projections into the latents every head reads) are whole on every rank, q_b_proj (or
+V2-Lite's q_proj) and kv_b_proj are column-parallel by heads (each head's rows are
+contiguous), o_proj row-parallel. The latent KV cache is not split: each rank caches the
+whole latent for its H / tp heads (`KVCacheSpec.for_tensor_parallel` keeps MLA's one
+latent per token; vLLM does the same), and `absorb` reads the rank's heads of kv_b_proj.
+The routed experts split as FusedMoE splits them (tensor or expert parallel; the V2
+group-limited router hands its choice to `run_experts`), the shared experts are a
+column/row MLP, the router is replicated. Pipeline stages are Llama's.
 """
 
 from __future__ import annotations
@@ -102,32 +112,38 @@ class DeepseekV3Attention(nn.Module):
         super().__init__()
         cfg = ctx.hf_config
         quant, dtype = ctx.quant_config, ctx.dtype
-        self.num_heads = cfg.num_attention_heads
+        tp = ctx.parallel.tp
+        if cfg.num_attention_heads % tp.size:
+            raise ValueError(f"tensor_parallel_size={tp.size} does not divide the model's "
+                             f"{cfg.num_attention_heads} attention heads; pick a size that does")
+        self.num_heads = cfg.num_attention_heads // tp.size  # this rank's heads
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.lora = cfg.kv_lora_rank
         self.interleaved = self.rope_interleaved(cfg)
         bias = bool(getattr(cfg, "attention_bias", False))
-        hidden, heads, qk_dim = cfg.hidden_size, self.num_heads, self.nope + self.rope
+        # the model's head count: column/row layers take whole-layer sizes and keep the rank's part
+        hidden, heads, qk_dim = cfg.hidden_size, cfg.num_attention_heads, self.nope + self.rope
+        split = dict(parallel="column", tp=tp)
         self.q_lora_rank = getattr(cfg, "q_lora_rank", None)
         if self.q_lora_rank:
             self.q_a_proj = Linear(hidden, self.q_lora_rank, bias=bias, quant_config=quant,
                                    prefix=f"{prefix}.q_a_proj", params_dtype=dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, LATENT_NORM_EPS, dtype=dtype)
             self.q_b_proj = Linear(self.q_lora_rank, heads * qk_dim, quant_config=quant,
-                                   prefix=f"{prefix}.q_b_proj", params_dtype=dtype)
+                                   prefix=f"{prefix}.q_b_proj", params_dtype=dtype, **split)
         else:  # V2-Lite: no query compression
             self.q_proj = Linear(hidden, heads * qk_dim, quant_config=quant, prefix=f"{prefix}.q_proj",
-                                 params_dtype=dtype)
+                                 params_dtype=dtype, **split)
         self.kv_a_proj_with_mqa = Linear(hidden, self.lora + self.rope, bias=bias, quant_config=quant,
                                          prefix=f"{prefix}.kv_a_proj_with_mqa", params_dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.lora, LATENT_NORM_EPS, dtype=dtype)
         self.kv_b_proj = Linear(self.lora, heads * (self.nope + self.v_dim), quant_config=quant,
-                                prefix=f"{prefix}.kv_b_proj", params_dtype=dtype)
+                                prefix=f"{prefix}.kv_b_proj", params_dtype=dtype, **split)
         self.o_proj = Linear(heads * self.v_dim, hidden, bias=bias, quant_config=quant, prefix=f"{prefix}.o_proj",
-                             params_dtype=dtype)
+                             params_dtype=dtype, parallel="row", tp=tp)
         _, scaling = rope_parameters(cfg)
         scale = qk_dim ** -0.5 * yarn_attention_scale(scaling)
-        self.attn = LatentAttention(ctx, layer_idx, heads, self.lora + self.rope, self.lora, scale)
+        self.attn = LatentAttention(ctx, layer_idx, self.num_heads, self.lora + self.rope, self.lora, scale)
         self._w_uk: torch.Tensor | None = None  # [H, nope, L]
         self._w_uv: torch.Tensor | None = None  # [H, L, v_dim]
 
@@ -140,7 +156,9 @@ class DeepseekV3Attention(nn.Module):
         """W_UK [H, nope, L] and W_UV^T [H, L, v_dim] from kv_b_proj (the model's after_loading).
 
         Read by applying kv_b_proj to the identity, so any quantized linear method works
-        (its `apply` is all a method promises), once the method has repacked its weights."""
+        (its `apply` is all a method promises), once the method has repacked its weights.
+        Under tensor parallelism kv_b_proj is column-parallel by heads: its output, and so
+        H here, is this rank's heads."""
         ref = self.kv_a_layernorm.weight
         eye = torch.eye(self.lora, dtype=ref.dtype, device=ref.device)
         with torch.inference_mode():
@@ -256,7 +274,8 @@ class DeepseekV2MoE(DeepseekV3MoE):
         if routing["renormalize"]:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights * routing["routed_scaling_factor"]
-        return self.experts.method.apply(self.experts, x, weights, ids)
+        # the model's expert ids: run_experts keeps this rank's (expert parallel) and reduces
+        return self.experts.run_experts(x, weights, ids)
 
 
 class DeepseekModel(LlamaModel):
@@ -267,7 +286,9 @@ class DeepseekModel(LlamaModel):
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
-    supports_parallel = False  # not split over tensor-parallel ranks or pipeline stages yet
+    # MLA by heads, experts by FusedMoE, stages as Llama's (see the module docstring and
+    # tests/plugins/models/test_deepseek_parallel.py)
+    supports_parallel = True
     # the attention projections stay separate layers (their output sizes, e.g. 576, do not
     # split into the 128-row blocks of block-quantized FP8 checkpoints); MLPs fuse gate/up
     packed_modules_mapping = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -308,8 +329,8 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         return loaded
 
     def after_loading(self) -> None:
-        for layer in self.model.layers:
-            layer.self_attn.absorb()
+        for i in self.model.stage:  # this pipeline stage's layers (the others are AbsentLayers)
+            self.model.layers[i].self_attn.absorb()
 
 
 class DeepseekV2ForCausalLM(DeepseekV3ForCausalLM):

@@ -12,6 +12,12 @@ What differs from Llama, as transformers implements it:
 - Gemma 3 normalises q and k per head; Gemma 2 soft-caps attention logits instead;
 - final logits may be soft-capped (final_logit_softcapping).
 
+Parallelism is Llama's (the forward is LlamaModel's through its hooks): q/k/v and
+gate/up split by columns, o and down by rows, the vocabulary by rows. The embedding scale
+multiplies the all-reduced rows, and the final soft-cap runs on the gathered logits (the
+vocab-parallel head's `logits` returns the whole row), so both see what one rank sees; the
+per-head q/k norms and attention soft-caps act on the rank's own heads.
+
 transformers' Gemma 3 never applies attn_logit_softcapping (its attention does not pass it
 on), so neither do we; Gemma 2 does.
 """
@@ -100,11 +106,13 @@ class GemmaAttention(nn.Module):
         super().__init__()
         cfg = ctx.hf_config
         spec = gemma_kv_cache_spec(cfg)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        # the projections split the model's heads; this layer computes with the rank's
+        self.qkv_proj, self.o_proj = attention_projections(ctx, spec.num_heads, spec.num_kv_heads, spec.head_size,
+                                                           prefix, bias, bias)
+        spec = spec.for_tensor_parallel(ctx.parallel.tp.size)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj, self.o_proj = attention_projections(ctx, self.num_heads, self.num_kv_heads, self.head_dim,
-                                                           prefix, bias, bias)
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0, dtype=ctx.dtype)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, offset=1.0, dtype=ctx.dtype)
@@ -133,7 +141,8 @@ class Gemma2Attention(GemmaAttention):
 
 
 class GemmaMLP(nn.Module):
-    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused."""
+    """down(gelu_tanh(gate(x)) * up(x)), gate and up fused (by columns over tensor-parallel
+    ranks, down by rows: one all-reduce, as Llama's MLP)."""
 
     def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
@@ -142,10 +151,11 @@ class GemmaMLP(nn.Module):
         if act not in _GELU_TANH:
             raise NotImplementedError(f"hidden_activation {act!r} is not supported by Gemma "
                                       f"(supported: {', '.join(_GELU_TANH)})")
+        tp = ctx.parallel.tp
         self.gate_up_proj = Linear(cfg.hidden_size, [cfg.intermediate_size] * 2, quant_config=ctx.quant_config,
-                                   prefix=f"{prefix}.gate_up_proj", params_dtype=ctx.dtype)
+                                   prefix=f"{prefix}.gate_up_proj", params_dtype=ctx.dtype, parallel="column", tp=tp)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, quant_config=ctx.quant_config,
-                                prefix=f"{prefix}.down_proj", params_dtype=ctx.dtype)
+                                prefix=f"{prefix}.down_proj", params_dtype=ctx.dtype, parallel="row", tp=tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.gelu_and_mul(self.gate_up_proj(x)))
@@ -227,7 +237,8 @@ class GemmaModel(LlamaModel):
 
 class Gemma3ForCausalLM(LlamaForCausalLM):
     """Gemma 3 text checkpoints (config Gemma3TextConfig, model_type gemma3_text)."""
-    supports_parallel = False  # not split over tensor-parallel ranks or pipeline stages yet
+    # splits as Llama does (tests/plugins/models/test_gemma_parallel.py)
+    supports_parallel = True
 
     attention_cls = GemmaAttention
     decoder_layer_cls = GemmaDecoderLayer
@@ -245,6 +256,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return GemmaMLP
 
     def compute_logits(self, hidden_states):
+        # the head gathers every rank's vocabulary columns first: the cap sees whole rows
         logits = super().compute_logits(hidden_states)
         if self.final_soft_cap:
             logits = torch.tanh(logits / self.final_soft_cap) * self.final_soft_cap

@@ -112,11 +112,13 @@ class Llama4Attention(nn.Module):
         super().__init__()
         cfg = ctx.hf_config
         spec = llama4_kv_cache_spec(cfg)
+        bias = bool(getattr(cfg, "attention_bias", False))
+        # the projections split the model's heads; this layer computes with the rank's
+        self.qkv_proj, self.o_proj = attention_projections(ctx, spec.num_heads, spec.num_kv_heads, spec.head_size,
+                                                           prefix, bias, bias)
+        spec = spec.for_tensor_parallel(ctx.parallel.tp.size)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_size
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        bias = bool(getattr(cfg, "attention_bias", False))
-        self.qkv_proj, self.o_proj = attention_projections(ctx, self.num_heads, self.num_kv_heads, self.head_dim,
-                                                           prefix, bias, bias)
         self.use_rope = uses_rope(cfg)[layer_idx]
         self.qk_norm = bool(getattr(cfg, "use_qk_norm", True)) and self.use_rope
         self.temperature_tuning = bool(getattr(cfg, "attn_temperature_tuning", True)) and not self.use_rope
@@ -155,7 +157,13 @@ class Llama4DenseMLP(LlamaMLP):
 
 
 class Llama4MoE(nn.Module):
-    """Router, routed experts fed score-scaled inputs, and the shared expert."""
+    """Router, routed experts fed score-scaled inputs, and the shared expert.
+
+    Over tensor-parallel ranks the router is replicated (every rank routes every token
+    alike), the experts are split by `FusedMoE` (each expert's intermediate slice, or whole
+    experts under --enable-expert-parallel) and the shared expert is a column/row MLP that
+    reduces itself; the routed copies are summed per token on each rank first, so the
+    experts' partial outputs cost one all-reduce of [T, H], not of [T x k, H]."""
 
     def __init__(self, ctx: ModelContext, layer_idx: int, prefix: str) -> None:
         super().__init__()
@@ -167,7 +175,7 @@ class Llama4MoE(nn.Module):
                              params_dtype=ctx.dtype)
         # routing is done here (see forward), so FusedMoE's own routing options are unused
         self.experts = FusedMoE(ctx, cfg.num_local_experts, self.top_k, cfg.hidden_size, cfg.intermediate_size,
-                                prefix, renormalize=False, scoring="sigmoid")
+                                prefix, renormalize=False, scoring="sigmoid", reduce_results=False)
         self.shared_expert = LlamaMLP(ctx, layer_idx, f"{prefix}.shared_expert",
                                       intermediate_size=cfg.intermediate_size)
 
@@ -183,8 +191,11 @@ class Llama4MoE(nn.Module):
         # one row per (token, expert) pair, so that each copy carries its own scale
         routed_in = (x[:, None, :] * scores[..., None]).reshape(t * self.top_k, h)
         ones = torch.ones(t * self.top_k, 1, dtype=torch.float32, device=x.device)
-        routed = self.experts.method.apply(self.experts, routed_in, ones, top_ids.reshape(-1, 1))
-        return self.shared_expert(x) + routed.view(t, self.top_k, h).sum(dim=1)
+        # run_experts takes the model's expert ids (under expert parallelism it gives other
+        # ranks' pairs weight 0); the ranks' partial sums are reduced once, below
+        routed = self.experts.run_experts(routed_in, ones, top_ids.reshape(-1, 1))
+        routed = self.experts.reduce_group.all_reduce(routed.view(t, self.top_k, h).sum(dim=1))
+        return self.shared_expert(x) + routed
 
 
 # ---------------------------------------------------------------- layers and model
@@ -223,7 +234,9 @@ class Llama4Model(LlamaModel):
 
 
 class Llama4ForCausalLM(LlamaForCausalLM):
-    supports_parallel = False  # not split over tensor-parallel ranks or pipeline stages yet
+    # attention and MLPs split as Llama's, experts by FusedMoE (tensor or expert parallel);
+    # pipeline stages as Llama's (tests/plugins/models/test_llama4_parallel.py)
+    supports_parallel = True
     attention_cls = Llama4Attention
     decoder_layer_cls = Llama4DecoderLayer
     model_cls = Llama4Model
