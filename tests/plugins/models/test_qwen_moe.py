@@ -163,11 +163,12 @@ FP8_CASES = {"per-tensor": {}, "per-tensor-static": "static", "block": {"block":
 
 
 @pytest.mark.parametrize("case", sorted(FP8_CASES))
-def test_fp8_experts_match_transformers_on_the_dequantized_weights(model_dir, tmp_path, case):
+def test_fp8_experts_match_transformers_on_the_dequantized_weights(model_dir, tmp_path, case, monkeypatch):
     """FP8 checkpoints (experts included): our engine (dense layers W8A8, experts fp8
     weights with float activations) against transformers on the dequantized weights with
     the dense projections' inputs rounded to fp8 the same way (its 3-D experts take no
     hook, as ours take float activations)."""
+    monkeypatch.setenv("PAGEDLLM_FP8_ACTIVATIONS", "fp8")  # the dense layers as W8A8 (the CPU default: W8A16)
     from tests._fp8_quant import (
         engine_log_likelihoods,
         fp8_checkpoint,
@@ -185,7 +186,8 @@ def test_fp8_experts_match_transformers_on_the_dequantized_weights(model_dir, tm
     assert diff.median().item() < 1e-4 and diff.mean().item() < 0.05, (diff.median(), diff.mean())
 
 
-def test_quantization_flag_quantizes_experts_while_loading(model_dir, tmp_path):
+def test_quantization_flag_quantizes_experts_while_loading(model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDLLM_FP8_ACTIVATIONS", "fp8")  # the dense layers as W8A8 (the CPU default: W8A16)
     from tests._fp8_quant import (
         engine_log_likelihoods,
         fp8_checkpoint,
