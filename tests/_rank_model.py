@@ -15,7 +15,12 @@ from typing import Any, Sequence
 
 import torch
 
-from pagedllm.core.contracts import AttentionContext, BatchLayout, IntermediateTensors, ModelContext
+from pagedllm.core.contracts import (
+    AttentionContext,
+    BatchLayout,
+    IntermediateTensors,
+    ModelContext,
+)
 from pagedllm.core.parallel import Group, ParallelLayout, ParallelState
 
 BLOCK_SIZE = 16
@@ -175,3 +180,24 @@ def assert_same_as_one_rank(ranks: Sequence[dict[str, Any]], ref: dict[str, Any]
         if rank in last:
             assert got["logits"].shape == ref["logits"].shape, f"rank {rank}"
             torch.testing.assert_close(got["logits"], ref["logits"], atol=atol, rtol=0, msg=f"rank {rank}")
+
+
+def assert_one_rank_is_transformers_greedy(checkpoints: dict[str, str], one_rank: dict[str, dict[str, Any]]) -> None:
+    """Anchors a one-rank reference: its greedy tokens are transformers' on each checkpoint."""
+    from tests.test_llm import hf_greedy
+
+    for name, path in checkpoints.items():
+        want = [tokens for tokens, _ in hf_greedy(path, [list(p) for p in PROMPTS], STEPS + 1)]
+        assert one_rank[name]["tokens"] == want, name
+
+
+def assert_layout_decodes_what_one_rank_does(layout, checkpoints: dict[str, str], names: Sequence[str],
+                                             one_rank: dict[str, dict[str, Any]]) -> None:
+    """`names` run on the ranks of `layout` (a ParallelLayout) in one spawn: every rank
+    decodes one rank's tokens, the last stage's ranks get its logits."""
+    from tests._distributed import run_ranks
+
+    per_rank = run_ranks(generate_all, layout, [checkpoints[n] for n in names])
+    last_stage = range((layout.pipeline_parallel_size - 1) * layout.tensor_parallel_size, layout.world_size)
+    for i, name in enumerate(names):
+        assert_same_as_one_rank([rank[i] for rank in per_rank], one_rank[name], last=list(last_stage))

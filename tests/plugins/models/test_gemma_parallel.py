@@ -13,8 +13,13 @@ import pytest
 import torch
 
 from pagedllm.core.parallel import ParallelLayout, ParallelState
-from tests._distributed import run_ranks
-from tests._rank_model import assert_same_as_one_rank, fake_state, generate, generate_all, load_model
+from tests._rank_model import (
+    assert_layout_decodes_what_one_rank_does,
+    assert_one_rank_is_transformers_greedy,
+    fake_state,
+    generate,
+    load_model,
+)
 from tests.plugins.models.test_gemma3 import FINAL_CAP, build_gemma
 
 CASES = {
@@ -37,28 +42,18 @@ def one_rank(checkpoints) -> dict[str, dict]:
 def test_the_one_rank_reference_is_transformers_greedy(checkpoints, one_rank):
     """Anchors the reference, and checks the final soft-cap is in force (logits bounded by
     the cap, which the random models' raw logits exceed)."""
-    from tests._rank_model import PROMPTS, STEPS
-    from tests.test_llm import hf_greedy
-
-    for name, path in checkpoints.items():
-        want = [tokens for tokens, _ in hf_greedy(path, [list(p) for p in PROMPTS], STEPS + 1)]
-        assert one_rank[name]["tokens"] == want, name
+    assert_one_rank_is_transformers_greedy(checkpoints, one_rank)
+    for name in checkpoints:
         if name != "gemma3-tied":
             assert one_rank[name]["logits"].abs().max() < FINAL_CAP, name
 
 
 def test_tensor_parallel_gives_one_ranks_logits_and_tokens(checkpoints, one_rank):
-    names = list(CASES)
-    per_rank = run_ranks(generate_all, ParallelLayout(2, 1), [checkpoints[n] for n in names])
-    for i, name in enumerate(names):
-        assert_same_as_one_rank([rank[i] for rank in per_rank], one_rank[name], last=[0, 1])
+    assert_layout_decodes_what_one_rank_does(ParallelLayout(2, 1), checkpoints, list(CASES), one_rank)
 
 
 def test_two_stages_give_one_ranks_logits_and_tokens(checkpoints, one_rank):
-    names = list(CASES)
-    per_rank = run_ranks(generate_all, ParallelLayout(1, 2), [checkpoints[n] for n in names])
-    for i, name in enumerate(names):
-        assert_same_as_one_rank([rank[i] for rank in per_rank], one_rank[name], last=[1])
+    assert_layout_decodes_what_one_rank_does(ParallelLayout(1, 2), checkpoints, list(CASES), one_rank)
 
 
 def test_each_rank_holds_its_part(checkpoints):
@@ -82,11 +77,6 @@ def test_each_rank_holds_its_part(checkpoints):
 def test_the_engine_on_two_ranks_decodes_what_one_rank_does(checkpoints):
     """Through LLM (the worker's backend choice, check_split, per-rank KV sizing):
     tensor_parallel_size=2 decodes one rank's tokens and logprobs."""
-    from tests.plugins.models.test_moe_parallel import greedy
+    from tests.plugins.models.test_moe_parallel import assert_engine_decodes_what_one_rank_does
 
-    one = greedy(checkpoints["gemma3"])
-    assert all(len(set(tokens)) > 4 for tokens, _ in one), "a degenerate random model proves nothing"
-    two = greedy(checkpoints["gemma3"], tensor_parallel_size=2)
-    for i, ((want, want_lp), (got, got_lp)) in enumerate(zip(one, two)):
-        assert got == want, f"prompt {i}"
-        assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    assert_engine_decodes_what_one_rank_does(checkpoints["gemma3"], tensor_parallel_size=2)

@@ -13,8 +13,13 @@ import pytest
 import torch
 
 from pagedllm.core.parallel import ParallelLayout, ParallelState
-from tests._distributed import run_ranks
-from tests._rank_model import PROMPTS, STEPS, assert_same_as_one_rank, fake_state, generate, generate_all, load_model
+from tests._rank_model import (
+    assert_layout_decodes_what_one_rank_does,
+    assert_one_rank_is_transformers_greedy,
+    fake_state,
+    generate,
+    load_model,
+)
 from tests.plugins.models.test_llama4 import TINY, build
 
 NAMES = ("llama4", "llama4-top2")
@@ -31,20 +36,13 @@ def one_rank(checkpoints) -> dict[str, dict]:
 
 
 def test_the_one_rank_reference_is_transformers_greedy(checkpoints, one_rank):
-    from tests.test_llm import hf_greedy
-
-    for name, path in checkpoints.items():
-        want = [tokens for tokens, _ in hf_greedy(path, [list(p) for p in PROMPTS], STEPS + 1)]
-        assert one_rank[name]["tokens"] == want, name
+    assert_one_rank_is_transformers_greedy(checkpoints, one_rank)
 
 
 @pytest.mark.parametrize("parallel", [ParallelLayout(2, 1), ParallelLayout(2, 1, enable_expert_parallel=True),
                                       ParallelLayout(1, 2)], ids=["tp2", "tp2-ep", "pp2"])
 def test_two_ranks_give_one_ranks_logits_and_tokens(checkpoints, one_rank, parallel):
-    per_rank = run_ranks(generate_all, parallel, [checkpoints[n] for n in NAMES])
-    last = [1] if parallel.pipeline_parallel_size > 1 else [0, 1]
-    for i, name in enumerate(NAMES):
-        assert_same_as_one_rank([rank[i] for rank in per_rank], one_rank[name], last=last)
+    assert_layout_decodes_what_one_rank_does(parallel, checkpoints, NAMES, one_rank)
 
 
 def test_each_rank_holds_its_experts_and_heads(checkpoints):
@@ -75,11 +73,7 @@ def test_each_rank_holds_its_experts_and_heads(checkpoints):
 def test_the_engine_on_two_ranks_decodes_what_one_rank_does(checkpoints):
     """Through LLM (the worker's backend choice, check_split, per-rank KV sizing):
     --enable-expert-parallel over two ranks decodes one rank's tokens and logprobs."""
-    from tests.plugins.models.test_moe_parallel import greedy
+    from tests.plugins.models.test_moe_parallel import assert_engine_decodes_what_one_rank_does
 
-    one = greedy(checkpoints["llama4-top2"])
-    assert all(len(set(tokens)) > 4 for tokens, _ in one), "a degenerate random model proves nothing"
-    two = greedy(checkpoints["llama4-top2"], tensor_parallel_size=2, enable_expert_parallel=True)
-    for i, ((want, want_lp), (got, got_lp)) in enumerate(zip(one, two)):
-        assert got == want, f"prompt {i}"
-        assert got_lp == pytest.approx(want_lp, abs=1e-4)
+    assert_engine_decodes_what_one_rank_does(checkpoints["llama4-top2"], tensor_parallel_size=2,
+                                             enable_expert_parallel=True)

@@ -185,7 +185,12 @@ def greedy(model_dir, **parallel) -> list:
     ("qwen3moe", dict(pipeline_parallel_size=2)),
 ])
 def test_whole_model_on_two_ranks_decodes_what_one_rank_does(moe_model, name, parallel):
-    path = moe_model(name)
+    assert_engine_decodes_what_one_rank_does(moe_model(name), **parallel)
+
+
+def assert_engine_decodes_what_one_rank_does(path, **parallel) -> None:
+    """LLM with `parallel` (the worker's backend choice, check_split, per-rank KV sizing)
+    decodes one rank's greedy tokens, logprobs within 1e-4."""
     one = greedy(path)
     assert all(len(set(tokens)) > 4 for tokens, _ in one), "a degenerate random model proves nothing"
     for i, ((want, want_lp), (got, got_lp)) in enumerate(zip(one, greedy(path, **parallel))):
