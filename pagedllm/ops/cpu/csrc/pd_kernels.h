@@ -61,6 +61,9 @@
  * PD_ERANGE: a sequence length overruns its block-table row or is shorter than its query. */
 enum { PD_OK = 0, PD_EINVAL = -1, PD_ENOMEM = -2, PD_ERANGE = -3 };
 
+/* ggml type ids (gguf_file.py) of the quantized weights quant.c and sgemm.c read */
+enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8 };
+
 /* ------------------------------------------------------------------ shared helpers
  * hsum256: quant.c, attention.c and dot; dot: quant.c, pd_rms_norm, attention.c;
  * exp_avx2: pd_silu_mul, attention.c. */

@@ -3,8 +3,6 @@
  * the test oracle for the block layouts). */
 #include "pd_kernels.h"
 
-/* ggml type ids (gguf_file.py) */
-enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8 };
 
 static inline float f16_to_f32(const uint8_t *p) {
     uint16_t h = (uint16_t)(p[0] | (p[1] << 8));

@@ -202,7 +202,7 @@ typedef struct {
 
 static const float *sg_quant_panel(const void *ctx, int64_t p, int64_t k0, int64_t kc, float *buf) {
     const sg_quant_src *src = (const sg_quant_src *)ctx;
-    int q8 = src->qtype == 8; /* PD_Q8_0; Q4_0 and Q4_1 share the nibble layout (m = -8d for Q4_0) */
+    int q8 = src->qtype == PD_Q8_0; /* Q4_0 and Q4_1 share the nibble layout (m = -8d for Q4_0) */
     int64_t nblocks = src->K / 32, cb = q8 ? 32 : 16;
     for (int j = 0; j < SG_NR; j++) {
         int64_t n = p * SG_NR + j;
@@ -230,7 +230,7 @@ static const float *sg_quant_panel(const void *ctx, int64_t p, int64_t k0, int64
 
 int pd_linear_packed_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d,
                           const float *m, int64_t N, float *y, int64_t ldy) {
-    if ((qtype != 2 && qtype != 3 && qtype != 8) || K % 32 != 0) return PD_EINVAL;
-    sg_quant_src src = {qtype, codes, d, qtype == 8 ? NULL : m, N, K};
+    if ((qtype != PD_Q4_0 && qtype != PD_Q4_1 && qtype != PD_Q8_0) || K % 32 != 0) return PD_EINVAL;
+    sg_quant_src src = {qtype, codes, d, qtype == PD_Q8_0 ? NULL : m, N, K};
     return sgemm_run(x, K, M, K, sg_quant_panel, &src, 32, N, NULL, y, ldy);
 }
