@@ -74,14 +74,18 @@ def head_config(path: str) -> SimpleNamespace:
     return cfg
 
 
-def head_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) of every weight file in the head's directory (safetensors or .bin)."""
+def _weight_files(path: str) -> list[str]:
+    """The head directory's weight files (safetensors or .bin), in name order."""
     files = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin")))
     if not files:
         raise ValueError(f"EAGLE head {path}: no .safetensors or .bin weight file")
-    for name in files:
-        full = os.path.join(path, name)
-        if name.endswith(".safetensors"):
+    return [os.path.join(path, f) for f in files]
+
+
+def head_tensors(path: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every weight file in the head's directory (safetensors or .bin)."""
+    for full in _weight_files(path):
+        if full.endswith(".safetensors"):
             from safetensors import safe_open
 
             with safe_open(full, framework="pt") as f:
@@ -95,9 +99,8 @@ def head_tensor_names(path: str) -> list[str]:
     """The tensor names of the head's weight files, without reading the tensors (a .bin
     file is memory-mapped), for what must be known before the head is built."""
     names = []
-    for name in sorted(f for f in os.listdir(path) if f.endswith((".safetensors", ".bin"))):
-        full = os.path.join(path, name)
-        if name.endswith(".safetensors"):
+    for full in _weight_files(path):
+        if full.endswith(".safetensors"):
             from safetensors import safe_open
 
             with safe_open(full, framework="pt") as f:
