@@ -249,26 +249,21 @@ class Fp8LinearMethod(LinearMethod):
                 x2 = (codes.float().view(x2.shape[0], -1, bk) * scale[..., None]).view_as(x2).to(x.dtype)
             out = layer.fp8_dense(x2, bias)
             return out.view(*x.shape[:-1], out.shape[-1])
-        if not layer.fp8_w8a8:  # weight-only: the widened codes times the activations, then the row scales
-            out = layer.fp8_gemm(x2.float()).float() * layer.fp8_row_scale
-            if bias is not None:
-                out = out + bias
-            return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-        if layer.fp8_input_scale is not None:
+        if not layer.fp8_w8a8:  # weight-only: the widened codes times the activations as they are
+            xq, x_scale = x2, None
+        elif layer.fp8_input_scale is not None:
             x_scale = torch.full((x2.shape[0], 1), layer.fp8_input_scale, dtype=torch.float32, device=x.device)
             xq = (x2.float() / layer.fp8_input_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
         else:
             xq, x_scale = quantize_rows(x2)
             x_scale = x_scale[:, None]
-        if layer.fp8_gemm is None:  # CUDA: FP8 tensor cores
+        if layer.fp8_gemm is None:  # CUDA: FP8 tensor cores (W8A8 only)
             # row-wise scales (per token x per output row) take a bf16 output
             out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale.contiguous(),
                                    scale_b=layer.fp8_row_scale[None, :].contiguous(), out_dtype=torch.bfloat16)
-            if bias is not None:
-                out = out + bias
-            return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
-        out = layer.fp8_gemm(xq.float())
-        out = out.float() * x_scale * layer.fp8_row_scale
+        else:
+            out = layer.fp8_gemm(xq.float()).float()
+            out = (out if x_scale is None else out * x_scale) * layer.fp8_row_scale
         if bias is not None:
             out = out + bias
         return out.to(x.dtype).view(*x.shape[:-1], out.shape[-1])
