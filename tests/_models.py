@@ -62,3 +62,18 @@ def dequantized_reference(hf_dir: Path, root: Path, weights: dict[str, torch.Ten
     shutil.copytree(hf_dir, ref)
     save_file({k: v.contiguous() for k, v in weights.items()}, str(ref / "model.safetensors"), metadata={"format": "pt"})
     return ref
+
+
+def held_experts(experts) -> tuple[torch.Tensor, torch.Tensor]:
+    """A FusedMoE's dense (w13 [E, 2I, H], w2 [E, H, I]) as it holds them: its parameters,
+    or, once packed for the native CPU MoE kernel (which drops them), unpacked from the
+    kernel's 16-column panels [E, ceil(N/16), K, 16]."""
+    if hasattr(experts, "w13_weight"):
+        return experts.w13_weight, experts.w2_weight
+    packed = experts.packed_experts
+
+    def unpack(w) -> torch.Tensor:
+        e, panels, k, width = w.panels.shape
+        return w.panels.permute(0, 1, 3, 2).reshape(e, panels * width, k)[:, :w.n]
+
+    return unpack(packed.w13), unpack(packed.w2)

@@ -15,6 +15,7 @@ from pagedllm.core.contracts import ModelContext
 from pagedllm.core.parallel import Group, ParallelLayout, ParallelState
 from pagedllm.plugins.models.layers import load_shard
 from pagedllm.plugins.models.moe import FusedMoE, process_moe_after_loading
+from tests._models import held_experts
 
 PREFIX = "model.layers.0.mlp"
 NUM_EXPERTS, TOP_K, HIDDEN, INTER, SHARED_INTER = 8, 3, 32, 16, 24
@@ -149,7 +150,10 @@ def run_cases(state: ParallelState, tensors: dict[str, torch.Tensor], x: torch.T
         for name, module in build_cases(state, tensors).items():
             experts = module if isinstance(module, FusedMoE) else module.experts
             out = module(x, x @ router.T) if isinstance(module, FusedMoE) else module(x)
-            results[name] = dict(out=out.numpy().copy(), w13=experts.w13_weight.numpy().copy(),
-                                 w2=experts.w2_weight.numpy().copy(), split=experts.expert_split,
-                                 params={n: tuple(p.shape) for n, p in experts.named_parameters()})
+            w13, w2 = held_experts(experts)
+            params = {n: tuple(p.shape) for n, p in experts.named_parameters()}
+            # once packed for the native MoE kernel the plain parameters are gone: the packed copy's shapes
+            params.update(w13_weight=tuple(w13.shape), w2_weight=tuple(w2.shape))
+            results[name] = dict(out=out.numpy().copy(), w13=w13.numpy().copy(), w2=w2.numpy().copy(),
+                                 split=experts.expert_split, params=params)
     return results

@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.ops.dispatch import Op, chosen, reset
-from pagedllm.ops.moe import fused_moe, select_experts
+from pagedllm.ops.moe import PackedExperts, fused_moe, pack_moe, select_experts
 from pagedllm.core.precision import float32_matmul_precision, matmul_precision
 
-__all__ = ["Op", "PackedLinear", "chosen", "float32_matmul_precision", "fused_moe", "gather_rows", "matmul_precision",
-           "gelu_and_mul", "pack_linear", "reset", "rms_norm", "rotary_qkv", "select_experts", "silu_and_mul"]
+__all__ = ["Op", "PackedExperts", "PackedLinear", "chosen", "float32_matmul_precision", "fused_moe", "gather_rows", "matmul_precision",
+           "gelu_and_mul", "pack_linear", "pack_moe", "reset", "rms_norm", "rotary_qkv", "select_experts", "silu_and_mul"]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,

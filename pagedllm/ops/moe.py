@@ -8,13 +8,17 @@ tokens runs one GEMM pair on its rows, and the weighted rows are scatter-added b
 their tokens. `expert_rows` is that grouping on its own, for expert layouts other than
 the dense one (a quantized MoE method dequantizes each expert inside `expert_fn`).
 
+`pack_moe` prepares dense experts once after loading, as `pack_linear` does for a dense
+weight: a kernel with its own expert layout (the native CPU one, plugins/cpu_native)
+offers it; the reference keeps the tensors for `fused_moe`.
+
 `select_experts` is plain torch (small [T, E] tensors): softmax top-k as Qwen-MoE and
 Mixtral route, and DeepSeek-V3's grouped sigmoid routing with a selection-only bias.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -97,6 +101,41 @@ def _fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weight
 
 
 fused_moe: Op = Op("fused_moe", _fused_moe)
+
+
+class PackedExperts(Protocol):
+    """What `pack_moe` returns: a layer's dense experts in a kernel's layout, applied by
+    calling it with `fused_moe`'s routing arguments."""
+
+    # True when it holds its own copy of the weights, so the layer may drop the plain ones
+    owns_copy: bool
+    kind: str  # names the layout (logs), e.g. "torch", "cpu-f32"
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 activation: str) -> torch.Tensor:
+        """fused_moe(x, w13, w2, topk_weights, topk_ids, activation)."""
+
+
+class _FusedExperts:
+    owns_copy = False
+    kind = "torch"
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13, self.w2 = w13, w2
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 activation: str) -> torch.Tensor:
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, activation)
+
+
+def _pack_moe(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts:
+    """Prepare a layer's dense experts (`fused_moe`'s w13 [E, 2I, H], w2 [E, H, I]) once,
+    after loading: returns a `PackedExperts`. The reference keeps the tensors and calls
+    `fused_moe` (so its own implementations, e.g. the Triton grouped GEMM, still apply)."""
+    return _FusedExperts(w13, w2)
+
+
+pack_moe: Op = Op("pack_moe", _pack_moe)
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, *, renormalize: bool, scoring: str = "softmax",

@@ -16,7 +16,7 @@ from pagedllm.core.contracts.attention import AttentionBackend, AttentionContext
 @dataclass(frozen=True)
 class OpImpl:
     """One implementation of a layer op of `pagedllm.ops` (rms_norm, rotary_qkv,
-    silu_and_mul, gather_rows, pack_linear; each op's docstring there is its contract).
+    silu_and_mul, gather_rows, pack_linear, pack_moe, ...; each op's docstring there is its contract).
 
     Offered through the `pagedllm_op_impls` hook. For each (device type, dtype) of an
     op's first tensor argument, the op uses the runnable implementation with the highest

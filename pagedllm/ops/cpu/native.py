@@ -41,7 +41,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 6  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 7  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
@@ -61,6 +61,7 @@ _SIGNATURES = {
     "pd_dequantize": (_i32, [_i32, _p, _i64, _i64, _p]),
     "pd_sgemm_pack": (None, [_p, _i64, _i64, _p]),
     "pd_sgemm": (_i32, [_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
+    "pd_moe_f32": (_i32, [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i32, _p]),
     "pd_rms_norm": (None, [_p, _p, _p, _p, _i64, _i64, _f32]),
     "pd_silu_mul": (None, [_p, _p, _i64, _i64]),
     "pd_rope_neox": (None, [_p, _i64, _i64, _i64, _i64, _p, _p]),
@@ -385,6 +386,67 @@ def dense_linear(x: torch.Tensor, w: DenseWeight, bias: torch.Tensor | None = No
     if _lib().pd_sgemm(x2.data_ptr(), x2.stride(0), m, w.k, w.panels.data_ptr(), w.n, b, out.data_ptr(), w.n) != PD_OK:
         raise MemoryError(f"pd_sgemm: out of memory packing {m}x{w.k} activations")
     return out.view(*lead, w.n)
+
+
+@dataclass(frozen=True)
+class DenseExperts:
+    """A MoE layer's stacked float32 experts [E, N, K], each in pd_sgemm's panels:
+    [E, ceil(N/16), K, 16]."""
+
+    e: int
+    n: int
+    k: int
+    panels: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel() * self.panels.element_size()
+
+
+MOE_MAX_TOP_K = 64  # PD_MOE_MAX_K in csrc/moe.c
+MOE_ACTIVATIONS = {"silu": 0, "gelu": 1}
+
+
+def pack_experts(weights: torch.Tensor) -> DenseExperts:
+    """Pack stacked float32 CPU expert weights [E, N, K] once, for `moe_linear`."""
+    if weights.dim() != 3:
+        raise ValueError(f"expert weights: expected [E, N, K], got {list(weights.shape)}")
+    e, n, k = weights.shape
+    w = weights.detach().contiguous()
+    _ptr(w, "expert weights", torch.float32)
+    panels = torch.empty(e, (n + 15) // 16, k, 16, dtype=torch.float32)
+    for i in range(e):
+        kernels().pd_sgemm_pack(w[i].data_ptr(), n, k, panels[i].data_ptr())
+    return DenseExperts(e, n, k, panels)
+
+
+def moe_f32(x: torch.Tensor, w13: DenseExperts, w2: DenseExperts, topk_weights: torch.Tensor,
+            topk_ids: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """The routed experts' gated MLP (ops.fused_moe's contract) for float32 x [T, H], with
+    w13 = pack_experts([E, 2I, H]) and w2 = pack_experts([E, H, I])."""
+    t, h = x.shape
+    if x.dtype != torch.float32 or x.device.type != "cpu" or h != w13.k or w2.n != h or w13.n != 2 * w2.k \
+            or w13.e != w2.e:
+        raise ValueError(f"moe_f32: x {x.dtype} {list(x.shape)} does not fit experts w13 "
+                         f"[{w13.e}, {w13.n}, {w13.k}], w2 [{w2.e}, {w2.n}, {w2.k}]")
+    if activation not in MOE_ACTIVATIONS:
+        raise NotImplementedError(f"MoE activation {activation!r} is not supported (silu, gelu)")
+    k = topk_ids.shape[-1]
+    if topk_ids.shape != (t, k) or topk_weights.shape != (t, k) or k > MOE_MAX_TOP_K:
+        raise ValueError(f"moe_f32: routing of shape {list(topk_ids.shape)} / {list(topk_weights.shape)} for "
+                         f"{t} tokens (at most {MOE_MAX_TOP_K} experts per token)")
+    rows = x.contiguous()
+    ids = topk_ids.to(torch.int64).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    out = torch.empty(t, h, dtype=torch.float32)
+    status = _lib().pd_moe_f32(rows.data_ptr(), t, h, ids.data_ptr(), weights.data_ptr(), k, w13.e,
+                               w13.panels.data_ptr(), w2.panels.data_ptr(), w2.k, MOE_ACTIVATIONS[activation],
+                               out.data_ptr())
+    if status == PD_EINVAL:
+        raise ValueError(f"moe_f32: an expert id outside [0, {w13.e}) has a nonzero weight")
+    if status != PD_OK:
+        raise MemoryError(f"pd_moe_f32: out of memory for {t} tokens x {k} experts")
+    return out
 
 
 @dataclass(frozen=True)

@@ -155,7 +155,25 @@ class PackedBF16:
         return dense.linear_bf16(x, self.bf16, bias)
 
 
+class PackedExperts:
+    """A MoE layer's float32 experts packed for the native GEMM and run by one kernel call
+    (csrc/moe.c: routing sort, gathers, both GEMMs, activation and the weighted sum), so a
+    MoE step has no host sync and replays like the rest of the layer. Products are float32
+    whatever the matmul precision (bf16 expert products are not implemented)."""
+
+    owns_copy = True
+    kind = "cpu-f32"
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13, self.w2 = native.pack_experts(w13), native.pack_experts(w2)
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 activation: str) -> torch.Tensor:
+        return native.moe_f32(x, self.w13, self.w2, topk_weights, topk_ids, activation)
+
+
 OP_IMPLS = [
+    OpImpl("pack_moe", "cpu_native_moe", PackedExperts, float32_cpu),
     OpImpl("rms_norm", "cpu_native", rms_norm, float32_cpu),
     OpImpl("silu_and_mul", "cpu_native", silu_and_mul, float32_cpu),
     OpImpl("rotary_qkv", "cpu_native", rotary_qkv, float32_cpu),

@@ -207,8 +207,29 @@ class UnquantizedMoEMethod(MoEMethod):
         expert_parameter(layer, "w2_weight", (num_experts, hidden_size, intermediate_size), params_dtype,
                          intermediate_dim=1)
 
+    def process_after_loading(self, layer):
+        pack_dense_experts(layer)
+
     def apply(self, layer, x, topk_weights, topk_ids):
-        return ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation)
+        return run_dense_experts(layer, x, topk_weights, topk_ids)
+
+
+def pack_dense_experts(layer: nn.Module) -> None:
+    """After loading: hand a layer's dense w13_weight / w2_weight to `ops.pack_moe` (a
+    kernel's own layout where one is offered, e.g. the native CPU MoE kernel), dropping
+    the plain tensors when the packed form holds its own copy."""
+    layer.packed_experts = ops.pack_moe(layer.w13_weight, layer.w2_weight)
+    if layer.packed_experts.owns_copy:
+        del layer.w13_weight, layer.w2_weight
+
+
+def run_dense_experts(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> torch.Tensor:
+    """The dense experts' output, through the packed form once `pack_dense_experts` ran."""
+    packed = layer.__dict__.get("packed_experts")
+    if packed is not None:
+        return packed(x, topk_weights, topk_ids, layer.activation)
+    return ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation)
 
 
 class FusedMoE(nn.Module):

@@ -9,7 +9,8 @@ kernels take 2-D matrices, so the experts get their own method, following
 
 * default: each stacked tensor is dequantized once, as it loads, into the dense layout of
   the unquantized method (w13_weight [E, 2I, H], w2_weight [E, H, I], compute dtype) and
-  the experts run `ops.fused_moe` (so a grouped-GEMM kernel serves them too);
+  the experts run as the unquantized ones do (`ops.pack_moe`: the native CPU MoE kernel,
+  else `ops.fused_moe`, so a grouped-GEMM kernel serves them too);
 * `--gguf-keep-quantized`: the blocks stay (memory near the file's size) and each expert
   that receives tokens multiplies from them: the native CPU kernels where they read the
   type (one repacked matrix per projection, viewed per expert), else a per-call
@@ -26,11 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedllm import ops
 from pagedllm.core.contracts import MoEMethod
 from pagedllm.ops.cpu import native
 from pagedllm.ops.moe import activation_and_mul, expert_rows
-from pagedllm.plugins.models.moe import expert_loader, expert_parameter
+from pagedllm.plugins.models.moe import expert_loader, expert_parameter, pack_dense_experts, run_dense_experts
 from pagedllm.plugins.quant.gguf_dequant import dequantize, dequantize_numpy
 from pagedllm.plugins.quant.gguf_file import type_name
 from pagedllm.plugins.quant.gguf_linear import group_by_type, num_cols
@@ -113,6 +113,7 @@ class GGUFMoEMethod(MoEMethod):
 
     def process_after_loading(self, layer):
         if self.keep_dense:
+            pack_dense_experts(layer)
             return
         for fused, shards in layer.gguf_expert_shards.items():
             cols = layer.gguf_expert_cols[fused]
@@ -126,7 +127,7 @@ class GGUFMoEMethod(MoEMethod):
 
     def apply(self, layer, x, topk_weights, topk_ids):
         if self.keep_dense:
-            return ops.fused_moe(x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, layer.activation)
+            return run_dense_experts(layer, x, topk_weights, topk_ids)
 
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
             h = _expert_linear(layer.gguf_expert_parts["w13"], layer, e, rows)

@@ -90,6 +90,20 @@ def test_forward_with_torch_ops_is_replayed_too(tiny_model_dir, replays):
     assert got == eager, "replayed torch ops gave other tokens or logprobs than eager steps"
 
 
+def test_moe_steps_are_replayed(tmp_path, replays):
+    """Qwen3-MoE's routed experts run in one native call (csrc/moe.c) with no host sync,
+    so its decode steps are recorded (routing's torch ops included) and replay exactly."""
+    from tests.plugins.models.test_qwen_moe import build
+
+    model_dir = build(tmp_path / "qwen3moe", "qwen3moe")
+    llm, got = generate(model_dir)
+    graphs = [g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None]
+    assert graphs and all(g.verified for g in graphs), "Qwen3-MoE's decode steps were not recorded"
+    assert replays["n"] >= 7, f"only {replays['n']} MoE steps were replayed"
+    _, eager = generate(model_dir, enforce_eager=True)
+    assert got == eager, "replayed MoE steps gave other tokens or logprobs than eager steps"
+
+
 @pytest.mark.parametrize("kernel", ["onednn", "amx"])
 def test_bf16_products_are_replayed(tiny_model_dir, replays, monkeypatch, kernel):
     """Under "medium" precision the GEMMs are oneDNN calls (torch ops between the kernels)

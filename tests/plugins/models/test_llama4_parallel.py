@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pagedllm.core.parallel import ParallelLayout, ParallelState
+from tests._models import held_experts
 from tests._rank_model import (
     assert_layout_decodes_what_one_rank_does,
     assert_one_rank_is_transformers_greedy,
@@ -54,20 +55,20 @@ def test_each_rank_holds_its_experts_and_heads(checkpoints):
     tp = load_model(fake_state(2, 1, 1), path)
     block = tp.model.layers[1].feed_forward
     assert (tp.model.layers[1].self_attn.num_heads, tp.model.layers[1].self_attn.num_kv_heads) == (2, 1)
-    assert block.experts.w13_weight.shape == (experts, inter, TINY["hidden_size"])
+    (tp_w13, _), (whole_w13, whole_w2) = held_experts(block.experts), held_experts(whole.experts)
+    assert tp_w13.shape == (experts, inter, TINY["hidden_size"])
     half = slice(inter // 2, inter)
     up = slice(inter + inter // 2, 2 * inter)
-    torch.testing.assert_close(block.experts.w13_weight, torch.cat(
-        [whole.experts.w13_weight[:, half], whole.experts.w13_weight[:, up]], dim=1), rtol=0, atol=0)
+    torch.testing.assert_close(tp_w13, torch.cat([whole_w13[:, half], whole_w13[:, up]], dim=1), rtol=0, atol=0)
     x = torch.randn(5, TINY["hidden_size"], generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():  # the packed router (its plain weight is gone) scores alike
         torch.testing.assert_close(block.router(x), whole.router(x), rtol=0, atol=0)
     from tests._rank_moe import fake_state as one_stage_state
 
     ep = load_model(one_stage_state(ParallelLayout(2, 1, enable_expert_parallel=True), 1), path)
-    held = ep.model.layers[1].feed_forward.experts
-    assert held.w13_weight.shape == (experts // 2, 2 * inter, TINY["hidden_size"])
-    torch.testing.assert_close(held.w2_weight, whole.experts.w2_weight[experts // 2:], rtol=0, atol=0)
+    ep_w13, ep_w2 = held_experts(ep.model.layers[1].feed_forward.experts)
+    assert ep_w13.shape == (experts // 2, 2 * inter, TINY["hidden_size"])
+    torch.testing.assert_close(ep_w2, whole_w2[experts // 2:], rtol=0, atol=0)
 
 
 def test_the_engine_on_two_ranks_decodes_what_one_rank_does(checkpoints):

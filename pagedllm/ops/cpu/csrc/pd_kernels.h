@@ -9,6 +9,7 @@
  *                  pd_has_bf16_kv)
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear
  *   lut4.c         4-bit codebook weights (bitsandbytes NF4 / FP4): pd_linear_lut4
+ *   moe.c          a MoE layer's routed float32 experts in one call: pd_moe_f32
  *
  * Why C and not torch ops: on a CPU, a decode step of a small model is dominated by
  * reading weights (float32 weights are 4x the bytes of 8-bit blocks and ~6x those of
@@ -53,7 +54,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 6
+#define PD_ABI_VERSION 7
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
@@ -63,6 +64,11 @@ enum { PD_OK = 0, PD_EINVAL = -1, PD_ENOMEM = -2, PD_ERANGE = -3 };
 
 /* ggml type ids (gguf_file.py) of the quantized weights quant.c and sgemm.c read */
 enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8 };
+
+/* kernels one file calls from another (moe.c runs sgemm.c's GEMM and elementwise.c's silu) */
+int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
+             float *y, int64_t ldy);
+void pd_silu_mul(const float *x, float *out, int64_t T, int64_t I);
 
 /* ------------------------------------------------------------------ shared helpers
  * hsum256: quant.c, attention.c and dot; dot: quant.c, pd_rms_norm, attention.c;
