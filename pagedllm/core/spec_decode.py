@@ -84,8 +84,11 @@ class PayoffGuard:
     A verify step is nearly free on a GPU at small n and almost proportional to its rows on
     a CPU once a few requests batch (SmolLM2, two Sapphire Rapids cores: 64 rows take 1.6x
     the time of 32), so the same config drafts k for a lone stream and fewer or none in a
-    batch of 32. A row count not measured yet is tried (every EXPLORE steps, until its
-    bucket is trusted) before the model extrapolates past it.
+    batch of 32. A wider step than any measured is tried (every EXPLORE steps, until its
+    bucket is trusted) only while the widest known k is still the best, k doubling each
+    time: the model never extrapolates, and never pays for a k_max-wide step in a batch
+    where one draft already did not pay (suffix decoding's k_max is 24: 32 requests x 25
+    rows is a prefill-sized step).
     """
 
     ALPHA = 0.1  # weight of the newest measurement in the moving averages
@@ -144,10 +147,13 @@ class PayoffGuard:
         for k in range(self.k_max + 1):
             cost = self.cost(n * (1 + k))
             if cost is None:
-                if k and self.steps - self.last_try >= self.EXPLORE:
+                # past the widest measured step: try a wider one only while widening paid so
+                # far, doubling k from the widest known (1, 2, 4, ... k_max; the ks between
+                # interpolate), so a batch where drafts do not pay never runs an n x (1 + k_max)
+                # row step just to learn that
+                if k and best == k - 1 and self.steps - self.last_try >= self.EXPLORE:
                     self.last_try = self.steps
-                    # measure the widest step first: then every k in between interpolates
-                    return self.k_max if self.cost(n * (1 + self.k_max)) is None else k
+                    return min(self.k_max, max(1, 2 * (k - 1)))
                 break
             tokens = (1 - a ** (k + 1)) / (1 - a)
             rate = n * tokens / (cost + k * n * self.propose_s)

@@ -106,6 +106,29 @@ def test_payoff_guard_drafts_where_they_pay():
     assert 0 < min(middle) and max(middle) < 4, f"in between, some drafts: {sorted(set(middle))}"
 
 
+def test_payoff_guard_widens_drafts_step_by_step():
+    """Exploration doubles k from the widest measured step and stops where widening stops
+    paying: a large batch whose single drafts do not pay never runs a k_max-wide step
+    (suffix decoding's k_max 24 at 32 requests is an 800-row step), while a lone stream
+    with cheap rows still reaches k_max."""
+    def tried(n: int, accept: float, per_row: float, k_max: int = 24, steps: int = 400) -> list[int]:
+        guard = PayoffGuard(k_max=k_max)
+        chosen, k = [], 0
+        for _ in range(steps):
+            guard.record_step(n * (1 + k), 0.010 + per_row * n * (1 + k))
+            if k:
+                guard.record_acceptance(n, round(accept * n))
+            k = guard.drafts(n)
+            chosen.append(k)
+        return chosen
+
+    batch = tried(32, accept=0.3, per_row=0.002)
+    assert max(batch) == 1, f"a batch where one draft does not pay tried k up to {max(batch)}"
+    lone = tried(1, accept=0.9, per_row=0.0001)
+    widths = sorted(set(lone))
+    assert widths[:5] == [0, 1, 2, 4, 8] and lone[-1] == 24, f"k did not double up to k_max: {widths}"
+
+
 def test_spec_stats():
     stats = SpecStats()
     stats.record(3, 2)
