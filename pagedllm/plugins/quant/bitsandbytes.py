@@ -19,8 +19,8 @@ they stream past. 4-bit codes run on the native codebook kernel (pd_linear_lut4:
 values per code, times the block's absmax); 8-bit on the shared integer kernels (native
 8-bit). `--quantization bitsandbytes` on a float checkpoint quantizes each weight to NF4
 (blocks of 64, nearest codebook value) as it loads. `--load-format bitsandbytes` is
-accepted (it means the default loader). Elsewhere than the CPU, a dense copy is made at
-load (no GPU codebook kernel yet).
+accepted (it means the default loader). On CUDA the 4-bit codes run on triton_int.py's
+dequant-GEMM in its codebook mode (w = quant_map[code] * absmax, tile by tile).
 """
 
 from __future__ import annotations
@@ -68,11 +68,26 @@ def _unpack_codes(packed: torch.Tensor, shape: list[int]) -> torch.Tensor:
     return torch.stack(((flat >> 4) & 0xF, flat & 0xF), dim=1).reshape(-1)[:shape[0] * shape[1]].view(shape)
 
 
+def codebook_kernel(device: torch.device, block: int, input_size: int) -> str:
+    """Which kernel multiplies 4-bit codebook weights here: "native" (pd_linear_lut4 on
+    the CPU), "triton" (the codebook variant of triton_int's dequant-GEMM, CUDA with triton
+    installed), else "dense" (one dequantized copy made at load)."""
+    if device.type == "cpu" and native.available() and block % 16 == 0:
+        return "native"
+    if device.type == "cuda" and block % 16 == 0 and input_size % 8 == 0:
+        try:
+            import triton  # noqa: F401
+        except ImportError:
+            return "dense"
+        return "triton"
+    return "dense"
+
+
 class BnB4bitMethod(LinearMethod):
     """4-bit codebook weights (NF4 / FP4) per shard: from a checkpoint (folded by
-    `BitsAndBytesConfig.weights`) or quantized to NF4 as a float weight loads. On the CPU
-    the native codebook kernel (pd_linear_lut4) reads the codes; elsewhere a dense copy is
-    made once at load."""
+    `BitsAndBytesConfig.weights`) or quantized to NF4 as a float weight loads. The codes
+    stay 4-bit: the native codebook kernel (pd_linear_lut4) reads them on the CPU, a Triton
+    dequant-GEMM on CUDA (`codebook_kernel`); elsewhere a dense copy is made once at load."""
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
         weight = nn.Parameter(torch.empty(0), requires_grad=False)
@@ -105,7 +120,22 @@ class BnB4bitMethod(LinearMethod):
         del layer.weight
         layer.bnb_kernels, layer.bnb_dense = [], None
         block = layer.bnb_in // layer.bnb_shards[0][2].shape[1]
-        if device.type == "cpu" and native.available() and block % 16 == 0:
+        layer.bnb_triton = []
+        kernel = codebook_kernel(device, block, layer.bnb_in)
+        if kernel == "triton":
+            from pagedllm.plugins.quant import triton_int
+
+            row = 0
+            for i, (codes, lut, absmax) in enumerate(layer.bnb_shards):
+                words = triton_int.pack(codes, 4)
+                scales = absmax.float().t().contiguous()
+                layer.register_parameter(f"qweight_{i}", nn.Parameter(words, requires_grad=False))
+                layer.register_parameter(f"qweight_absmax_{i}", nn.Parameter(scales, requires_grad=False))
+                layer.bnb_triton.append((words, scales, lut.float().contiguous().to(device), block, row,
+                                         row + codes.shape[0]))
+                row += codes.shape[0]
+            log_kernel_once("bitsandbytes 4-bit", "Triton codebook dequant-GEMM (triton_int.py)")
+        elif kernel == "native":
             row = 0
             for i, (codes, lut, absmax) in enumerate(layer.bnb_shards):
                 w = native.pack_lut4(codes, lut, absmax)
@@ -128,7 +158,13 @@ class BnB4bitMethod(LinearMethod):
             return layer.bnb_dense(x, bias)
         k, n = layer.bnb_in, sum(layer.bnb_sizes)
         x2 = x.reshape(-1, k).float().contiguous()
-        if len(layer.bnb_kernels) == 1:
+        if layer.bnb_triton:
+            from pagedllm.plugins.quant import triton_int
+
+            out = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x.device)
+            for words, scales, lut, block, start, end in layer.bnb_triton:
+                out[:, start:end] = triton_int.linear(x2, words, scales, lut, block, 4, codebook=True)
+        elif len(layer.bnb_kernels) == 1:
             out = native.lut4_linear(x2, layer.bnb_kernels[0][0])
         else:
             out = torch.empty(x2.shape[0], n, dtype=torch.float32)

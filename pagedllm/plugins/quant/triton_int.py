@@ -1,6 +1,7 @@
 """A Triton dequant-GEMM for grouped integer weights (AWQ, GPTQ, compressed-tensors W4A16 /
 W8A16 on a GPU): y = x @ W^T with W = scale * (q - zero), dequantized tile by tile in
-registers, never as a whole matrix.
+registers, never as a whole matrix. The same kernel reads 4-bit codebook weights
+(bitsandbytes NF4 / FP4): W = codebook[q] * absmax, a block's absmax in the scale's place.
 
 Layout (`pack`): codes packed along the input dim into int32 words, `per_word = 32 / bits`
 rows per word (GPTQ's own qweight layout, [K / per_word, N]); scales and zeros as
@@ -22,7 +23,8 @@ import triton.language as tl
 @triton.jit
 def _int_gemm(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, GROUP,
               stride_xm, stride_wk, stride_sg, stride_ym,
-              BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+              BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              LUT: tl.constexpr = False):
     PER_WORD: tl.constexpr = 32 // BITS
     MASK: tl.constexpr = (1 << BITS) - 1
     pid_m = tl.program_id(0)
@@ -40,8 +42,11 @@ def _int_gemm(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, GROUP,
         codes = (words >> ((kk % PER_WORD) * BITS)[:, None]) & MASK
         g = k0 // GROUP
         scale = tl.load(s_ptr + g * stride_sg + rn, mask=rn < N, other=0.0)
-        zero = tl.load(z_ptr + g * stride_sg + rn, mask=rn < N, other=0.0)
-        w = (codes.to(tl.float32) - zero[None, :].to(tl.float32)) * scale[None, :].to(tl.float32)
+        if LUT:  # z_ptr: the codebook, one float32 value per code (bitsandbytes NF4 / FP4)
+            w = tl.load(z_ptr + codes) * scale[None, :].to(tl.float32)
+        else:
+            zero = tl.load(z_ptr + g * stride_sg + rn, mask=rn < N, other=0.0)
+            w = (codes.to(tl.float32) - zero[None, :].to(tl.float32)) * scale[None, :].to(tl.float32)
         acc += tl.dot(x.to(tl.float32), w)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
@@ -66,13 +71,15 @@ def block_k(group: int) -> int:
 
 
 def linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
-           bits: int) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] float32."""
+           bits: int, codebook: bool = False) -> torch.Tensor:
+    """x [M, K] @ W^T -> [M, N] float32, W = scale * (q - zero) per group, or with
+    `codebook` W = zeros[q] * scale (`zeros` then being the float32 value of each code:
+    bitsandbytes' NF4 / FP4 quant_map, `scales` the blocks' absmax)."""
     m, k = x.shape
     n = words.shape[1]
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
     _int_gemm[grid](x, words, scales, zeros, y, m, n, k, group, x.stride(0), words.stride(0), scales.stride(0),
-                    y.stride(0), BITS=bits, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k(group))
+                    y.stride(0), BITS=bits, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k(group), LUT=codebook)
     return y

@@ -47,3 +47,43 @@ def test_int_linear_on_the_triton_path_with_act_order_and_fused_parts():
     x = torch.randn(4, 64)
     want = x @ torch.cat([p.dequantize() for p in parts]).t()
     torch.testing.assert_close(layer(x.to(DEVICE), None).cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block,m", [(64, 3), (16, 17), (128, 1)])
+def test_codebook_mode_matches_the_dequantized_formula(block, m):
+    """bitsandbytes NF4: w = quant_map[code] * absmax[block], from the same kernel."""
+    from pagedllm.plugins.quant.bitsandbytes import NF4
+
+    gen = torch.Generator().manual_seed(block + m)
+    codes = torch.randint(0, 16, (40, 128), generator=gen).to(torch.uint8)
+    absmax = torch.rand(40, 128 // block, generator=gen) + 0.05
+    lut = torch.tensor(NF4)
+    x = torch.randn(m, 128, generator=gen)
+    y = triton_int.linear(x.to(DEVICE), triton_int.pack(codes, 4).to(DEVICE), absmax.t().contiguous().to(DEVICE),
+                          lut.to(DEVICE), block, 4, codebook=True)
+    dense = lut[codes.long()] * absmax.repeat_interleave(block, dim=1)
+    torch.testing.assert_close(y.cpu(), x @ dense.t(), rtol=1e-4, atol=1e-4)
+
+
+def test_bitsandbytes_4bit_layer_on_the_triton_path(monkeypatch):
+    """BnB4bitMethod keeps the codes 4-bit on the Triton kernel (what CUDA picks): fused
+    shards in-flight quantized to NF4 give the dequantized weights' product."""
+    from torch import nn
+
+    from pagedllm.plugins.quant import bitsandbytes as bnb
+
+    monkeypatch.setattr(bnb, "codebook_kernel", lambda device, block, k: "triton")
+    gen = torch.Generator().manual_seed(3)
+    sizes = [32, 16]
+    weights = [torch.randn(n, 128, generator=gen) for n in sizes]
+    layer, method = nn.Module(), bnb.BnB4bitMethod()
+    layer.prefix = "test.qkv_proj"
+    method.create_weights(layer, 128, sizes, torch.float32)
+    for shard, w in enumerate(weights):
+        layer.weight.weight_loader(layer.weight, w.to(DEVICE), shard)
+    expected = torch.cat([torch.tensor(bnb.NF4)[c.long()] * a.repeat_interleave(64, dim=1)
+                          for c, a in (bnb.quantize_nf4(w) for w in weights)])
+    method.process_after_loading(layer)
+    assert layer.bnb_triton and not layer.bnb_kernels and layer.bnb_dense is None
+    x = torch.randn(5, 128, generator=gen)
+    torch.testing.assert_close(method.apply(layer, x.to(DEVICE), None).cpu(), x @ expected.t(), rtol=1e-4, atol=1e-4)
