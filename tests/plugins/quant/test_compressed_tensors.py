@@ -17,8 +17,52 @@ from tests.test_llm import assert_parity, make_prompts, reference, run_engine  #
 PROMPTS = make_prompts(5, lens=[7, 25, 1])
 
 
+# A calibration text for SmoothQuant, distinct from the perplexity text (test_fp8.PPL_TEXT)
+CALIBRATION_TEXT = (
+    "Rain had fallen all week, and the road over the pass was closed again. At the inn the travellers "
+    "played cards, read old newspapers and complained to the innkeeper, who listened patiently and "
+    "poured more tea. def area(r):\n    return 3.14159 * r * r\n# the area of a circle of radius r. "
+    "Question: what is twelve times seven? Answer: eighty-four. The committee will meet on Tuesday at "
+    "nine o'clock to discuss the budget, the new library wing and the repairs to the bridge."
+)
+
+
+def smooth_quant(model, tokenizer, alpha: float = 0.5) -> None:
+    """SmoothQuant (Xiao et al. 2023), as llm-compressor's W8A8 recipe applies it before
+    quantizing: per input channel j of the projections after each RMSNorm (q/k/v after
+    input_layernorm, gate/up after post_attention_layernorm), s_j = max|X_j|^alpha /
+    max|W_.j|^(1 - alpha) from a calibration run; the norm's weight is divided by s and the
+    projections' columns multiplied by it. The float model computes the same function;
+    its activations lose the outlier channels that per-token int8 rounding suffers from."""
+    groups = []
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        groups.append((layer.input_layernorm, [attn.q_proj, attn.k_proj, attn.v_proj]))
+        groups.append((layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]))
+    seen: dict[int, torch.Tensor] = {}
+
+    def record(i):
+        def hook(_module, inputs):
+            x = inputs[0].detach().abs().reshape(-1, inputs[0].shape[-1]).amax(dim=0)
+            seen[i] = x if i not in seen else torch.maximum(seen[i], x)
+        return hook
+
+    handles = [linears[0].register_forward_pre_hook(record(i)) for i, (_, linears) in enumerate(groups)]
+    with torch.no_grad():
+        model(**tokenizer(CALIBRATION_TEXT, return_tensors="pt"))
+    for h in handles:
+        h.remove()
+    with torch.no_grad():
+        for i, (norm, linears) in enumerate(groups):
+            w_max = torch.stack([lin.weight.abs().amax(dim=0) for lin in linears]).amax(dim=0)
+            scale = (seen[i].clamp(min=1e-5) ** alpha / w_max.clamp(min=1e-5) ** (1 - alpha)).clamp(min=1e-5)
+            norm.weight.div_(scale)
+            for lin in linears:
+                lin.weight.mul_(scale)
+
+
 def write_checkpoint(src, out, ref, bits=4, strategy="group", group=32, symmetric=True, ignore=("lm_head",),
-                     fmt="pack-quantized", kind="int", activations=None):
+                     fmt="pack-quantized", kind="int", activations=None, smooth=None):
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,
@@ -31,6 +75,11 @@ def write_checkpoint(src, out, ref, bits=4, strategy="group", group=32, symmetri
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    if smooth is not None:
+        from transformers import AutoTokenizer
+
+        smooth_quant(model, AutoTokenizer.from_pretrained(src), smooth)
+    smoothed = {k: v.clone() for k, v in model.state_dict().items()}
     args = QuantizationArgs(num_bits=bits, type=kind, symmetric=symmetric, strategy=strategy,
                             group_size=group if strategy == "group" else None)
     acts = None if activations is None else QuantizationArgs(num_bits=8, type=kind, strategy=activations,
@@ -53,6 +102,9 @@ def write_checkpoint(src, out, ref, bits=4, strategy="group", group=32, symmetri
                                                           args)
     reference_model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
     state = reference_model.state_dict()
+    for name, w in smoothed.items():  # the (smoothed) float model, then the dequantized projections
+        if name in state:
+            state[name].copy_(w)
     for name, w in dequantized.items():
         state[name].copy_(w)
     reference_model.save_pretrained(ref)
@@ -147,11 +199,13 @@ def test_unsupported_schemes_are_refused_by_name(tiny_model_dir, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["int8-channel", "w4a16"])
+@pytest.mark.parametrize("case", ["int8-channel", "int8-smoothquant", "w4a16"])
 def test_smollm2(smollm2_float, tmp_path, case):
     """SmolLM2 written by the library: INT8 W8A8 perplexity on a fixed text within 5% of
-    transformers' (with float or int8-rounded activations) and 90% of our greedy tokens
-    its argmax; W4A16 (weight-only) gives its perplexity and greedy tokens outright."""
+    transformers' (with float or int8-rounded activations) and 80% of our greedy tokens
+    its argmax; written as llm-compressor's W8A8 recipe writes it (SmoothQuant, strength
+    0.8, then int8), within 2% of transformers on the dequantized weights; W4A16
+    (weight-only) gives its perplexity and greedy tokens outright."""
     from transformers import AutoTokenizer
 
     from pagedllm import SamplingParams
@@ -159,13 +213,14 @@ def test_smollm2(smollm2_float, tmp_path, case):
     from tests.plugins.quant.test_fp8 import PPL_TEXT, SMOL_CHATS
 
     out, ref = tmp_path / "ct", tmp_path / "ref"
-    kw = W8A8["int8-channel"] if case == "int8-channel" else {"group": 64}
+    int8 = case.startswith("int8")
+    kw = dict(W8A8["int8-channel"], smooth=0.8 if case == "int8-smoothquant" else None) if int8 else {"group": 64}
     write_checkpoint(smollm2_float, out, ref, **kw)
     llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory=1 << 26, max_model_len=512)
     ids = AutoTokenizer.from_pretrained(smollm2_float)(PPL_TEXT)["input_ids"]
     ours = perplexity(engine_log_likelihoods(llm, ids))
     theirs = perplexity(hf_log_likelihoods(ref, ids))
-    emulated = perplexity(hf_log_likelihoods(ref, ids, ("int8", None) if case == "int8-channel" else None))
+    emulated = perplexity(hf_log_likelihoods(ref, ids, ("int8", None) if int8 else None))
     prompts = [llm.apply_chat_template([{"role": "user", "content": c}]) for c in SMOL_CHATS]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                            SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -180,7 +235,9 @@ def test_smollm2(smollm2_float, tmp_path, case):
     # The int8 greedy agreement is that noisy too: 59/64 with rotary tables from float64
     # inverse frequencies, 53/64 with transformers' own float32 ones (what rope.py computes
     # now, exact to transformers' tables), perplexity 30.8 vs 31.3 (the int8-emulated
-    # reference: 31.6); so the bar is 80% of the tokens, the perplexities stay within 5%
+    # reference: 31.6); so the bar is 80% of the tokens, the perplexities stay within 5%.
+    # With SmoothQuant (AMD EPYC Zen 4): +0.14% against float activations (+0.71% at
+    # strength 0.5; +2.46% without), the issue's 2% bar
     assert ours == pytest.approx(emulated, rel=0.05)
-    assert ours == pytest.approx(theirs, rel=0.05 if case == "int8-channel" else 1e-3)
-    assert agree >= (0.8 if case == "int8-channel" else 1.0) * total
+    assert ours == pytest.approx(theirs, rel={"int8-channel": 0.05, "int8-smoothquant": 0.02}.get(case, 1e-3))
+    assert agree >= (0.8 if int8 else 1.0) * total
