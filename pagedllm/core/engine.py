@@ -278,12 +278,19 @@ class LLMEngine:
         """What the payoff guard learns from a step: its time per row (decode and verify
         steps only, the proposal's own time taken out) and the first drafts' acceptance."""
         guard = self.payoff
-        if all(e.samples and e.num_new_tokens == 1 + len(e.spec_token_ids) for e in out.scheduled):
+        # even steps only: an uneven one (an acceptance probe) is a shape step replay has not
+        # recorded, which would bias the time of its row count
+        if all(e.samples and e.num_new_tokens == 1 + len(e.spec_token_ids) for e in out.scheduled) \
+                and len({len(e.spec_token_ids) for e in out.scheduled}) == 1:
             guard.record_step(out.num_scheduled_tokens, seconds - self._propose_s)
         drafted = [e for e in out.scheduled if e.spec_token_ids]
         if drafted:
+            # per decoding request: one without a draft (a probe verifies real proposals only)
+            # counts as a rejected one, as its filler would have been
+            decoding = sum(1 for e in out.scheduled if e.samples and e.num_new_tokens == 1 + len(e.spec_token_ids))
             got = {req.request_id: len(t) for req, t in touched}
-            guard.record_acceptance(len(drafted), sum(got.get(e.request.request_id, 1) > 1 for e in drafted))
+            guard.record_acceptance(max(decoding, len(drafted)),
+                                    sum(got.get(e.request.request_id, 1) > 1 for e in drafted))
 
     def _propose(self, touched: list[tuple[Request, list[int]]]) -> None:
         """Ask the proposer for the drafts the next step verifies (running requests only),
@@ -291,12 +298,15 @@ class LLMEngine:
         live = [(req, tokens) for req, tokens in touched if not req.is_finished]
         spec = self.spec_config
         k = spec.num_speculative_tokens
+        probe = False
         if spec.disable_by_batch_size is not None and len(live) >= spec.disable_by_batch_size:
             k = 0
         elif spec.adaptive and live:
             k = self.payoff.drafts(len(live))
+            probe = self.payoff.probing
         start = time.perf_counter()
-        proposals = self.worker.propose(live, [self.block_manager.block_ids(r.request_id) for r, _ in live], k)
+        proposals = self.worker.propose(live, [self.block_manager.block_ids(r.request_id) for r, _ in live], k,
+                                        even=not probe)
         self._propose_s = time.perf_counter() - start
         if k:
             self.payoff.record_proposal(k * len(live), self._propose_s)

@@ -193,6 +193,16 @@ class Sampler:
                 x = flat_drafts[index]
                 probs = probs.to(torch.float64)
                 probs = probs / probs.sum(dim=-1, keepdim=True)
+                has_draft = x >= 0
+                if draft_probs is None and ids is None:
+                    # q one-hot at x: accept with probability p(x); max(p - q, 0) is p without x
+                    # (gathers and one scatter, not [rows, vocab] one-hot products)
+                    at = x.clamp(min=0)[:, None]
+                    p_x = torch.where(has_draft, probs.gather(1, at).squeeze(1), torch.zeros_like(x, dtype=probs.dtype))
+                    accepted[index] = has_draft & (u_accept[index] < p_x)
+                    picked = _inverse_cdf(_residual(probs, x, has_draft), u_draw[index])
+                    token[index] = picked
+                    continue
                 at_x = (ids == x[:, None]) if ids is not None else \
                     torch.nn.functional.one_hot(x.clamp(min=0), probs.shape[-1]).bool() & (x[:, None] >= 0)
                 p_x = (probs * at_x).sum(dim=-1)
@@ -204,7 +214,6 @@ class Sampler:
                     q = q_rows if ids is None else q_rows.gather(1, ids)
                     q = torch.where((qi >= 0)[:, None], q, torch.zeros_like(q))
                 q_x = (q * at_x).sum(dim=-1)
-                has_draft = x >= 0
                 accepted[index] = has_draft & (u_accept[index] * q_x < p_x)
                 residual = _residual(probs, q, has_draft)
                 picked = _inverse_cdf(residual, u_draw[index])
@@ -339,8 +348,13 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _residual(probs: torch.Tensor, q: torch.Tensor, has_draft: torch.Tensor) -> torch.Tensor:
     """What a row draws from when its draft is rejected: max(p - q, 0) (unnormalized),
     or p itself on a bonus row (no draft) or where p - q has no mass left (p == q, where
-    a rejection cannot happen exactly but rounding might)."""
-    residual = torch.where(has_draft[:, None], (probs - q).clamp(min=0), probs)
+    a rejection cannot happen exactly but rounding might). `q` may be the draft token ids
+    [rows] (integers): q one-hot there, so max(p - q, 0) is p with that token's entry 0."""
+    if not q.is_floating_point():
+        at = q.clamp(min=0)[:, None]
+        residual = probs.scatter(1, at, torch.where(has_draft[:, None], 0.0, probs.gather(1, at)))
+    else:
+        residual = torch.where(has_draft[:, None], (probs - q).clamp(min=0), probs)
     empty = residual.sum(dim=-1) <= 0
     return torch.where(empty[:, None], probs, residual)
 

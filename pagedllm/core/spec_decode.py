@@ -94,7 +94,8 @@ class PayoffGuard:
     ALPHA = 0.1  # weight of the newest measurement in the moving averages
     EXPLORE = 4  # steps between tries of a row count not measured TRUSTED times yet
     TRUSTED = 2  # measurements of a row bucket before it is used
-    PROBE = 32  # while drafting does not pay, one step in PROBE drafts 1 to measure acceptance
+    PROBE = 32  # while drafting does not pay, one step in PROBE drafts 1 to measure acceptance,
+    MAX_PROBE = 512  # the interval doubling after each probe that did not change that, up to this
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
@@ -104,6 +105,9 @@ class PayoffGuard:
         self.steps = 0
         self.last_try = -self.EXPLORE
         self.accept_seen = False
+        self.probe_every = self.PROBE
+        self.last_probe = 0
+        self.probing = False  # whether the last drafts() answer was an acceptance probe
 
     @staticmethod
     def bucket(rows: int) -> int:
@@ -140,8 +144,11 @@ class PayoffGuard:
         return t1 if r1 == r0 else t0 + (t1 - t0) * (rows - r0) / (r1 - r0)
 
     def drafts(self, n: int) -> int:
-        """Drafts per request for the next step of n requests."""
+        """Drafts per request for the next step of n requests (`probing` then says whether
+        the answer is an acceptance probe: the caller verifies real proposals only, no
+        fillers, so a probe in a large batch costs a few rows, not n)."""
         self.steps += 1
+        self.probing = False
         a = min(self.accept, 0.999)
         best, best_rate = 0, None
         for k in range(self.k_max + 1):
@@ -159,8 +166,15 @@ class PayoffGuard:
             rate = n * tokens / (cost + k * n * self.propose_s)
             if best_rate is None or rate > best_rate:
                 best, best_rate = k, rate
-        if best == 0 and self.k_max and self.steps % self.PROBE == 0:
-            return 1  # a verify step now and then keeps the acceptance estimate current
+        if best:
+            self.probe_every = self.PROBE
+        elif self.k_max and self.steps - self.last_probe >= self.probe_every:
+            # a verify step now and then keeps the acceptance estimate current; while they
+            # keep finding that drafting does not pay, they come half as often each time
+            self.probe_every = min(self.MAX_PROBE, self.probe_every * 2) if self.last_probe else self.probe_every
+            self.last_probe = self.steps
+            self.probing = True
+            return 1
         return best
 
 

@@ -531,12 +531,13 @@ class Worker:
 
     @torch.inference_mode()
     def propose(self, appended: list[tuple[Request, list[int]]], block_ids: list[Sequence[int]],
-                max_drafts: int | None = None) -> dict[str, list[int]]:
+                max_drafts: int | None = None, even: bool = True) -> dict[str, list[int]]:
         """Drafts for the requests that decode next: each with the tokens the step appended
         (the accepted drafts and the target's own token) and its KV block ids; none where
         none may be proposed. At most `max_drafts` per request (default k); with 0 the
         proposer still sees the step (with no room for drafts), so that what it keeps per
-        request stays current."""
+        request stays current. `even`: fill short proposals up to the longest (`_even_out`);
+        off, only the proposals themselves (an acceptance probe)."""
         proposer = self.proposer
         if proposer is None or not appended:
             return {}
@@ -559,6 +560,8 @@ class Worker:
             block_ids=block_ids,
             step=step)
         drafts = [list(d[:cap]) for d, cap in zip(proposer.propose(batch), caps)]
+        if not even:
+            return {rid: d for rid, d in zip(batch.request_ids, drafts) if d}
         return _even_out(batch, drafts, caps)
 
     def forget(self, request_id: str) -> None:

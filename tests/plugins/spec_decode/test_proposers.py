@@ -129,6 +129,23 @@ def test_payoff_guard_widens_drafts_step_by_step():
     assert widths[:5] == [0, 1, 2, 4, 8] and lone[-1] == 24, f"k did not double up to k_max: {widths}"
 
 
+def test_payoff_guard_probes_less_often_while_drafting_does_not_pay():
+    """Acceptance probes (one draft, flagged `probing`) come every PROBE steps at first,
+    then at doubling intervals up to MAX_PROBE while they find nothing that pays."""
+    guard = PayoffGuard(k_max=5)
+    probes, k = [], 0
+    for step in range(1, 3000):
+        guard.record_step(32 * (1 + k), 0.010 + 0.002 * 32 * (1 + k))
+        if k:
+            guard.record_acceptance(32, 0)
+        k = guard.drafts(32)
+        if guard.probing:
+            assert k == 1
+            probes.append(step)
+    gaps = [b - a for a, b in zip(probes, probes[1:])]
+    assert gaps[:5] == [32, 64, 128, 256, 512] and set(gaps[5:]) == {512}, f"probe intervals {gaps}"
+
+
 def test_spec_stats():
     stats = SpecStats()
     stats.record(3, 2)
