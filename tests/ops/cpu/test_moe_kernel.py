@@ -11,20 +11,9 @@ import torch
 from pagedllm import ops
 from pagedllm.ops import moe
 from pagedllm.ops.cpu import native
+from tests.ops.test_moe import random_problem
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here")
-
-
-def problem(t, e, k, h, i, seed=0, empty_expert=None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(t, h, generator=g)
-    w13 = torch.randn(e, 2 * i, h, generator=g) * 0.2
-    w2 = torch.randn(e, h, i, generator=g) * 0.2
-    logits = torch.randn(t, e, generator=g)
-    if empty_expert is not None:
-        logits[:, empty_expert] = -1e9
-    weights, ids = ops.select_experts(logits, k, renormalize=True)
-    return x, w13, w2, weights, ids
 
 
 def native_moe(x, w13, w2, weights, ids, activation="silu"):
@@ -35,13 +24,13 @@ def native_moe(x, w13, w2, weights, ids, activation="silu"):
                                        (130, 8, 1, 17, 9), (5, 3, 3, 16, 8)])
 @pytest.mark.parametrize("activation", ["silu", "gelu"])
 def test_matches_the_reference(t, e, k, h, i, activation):
-    x, w13, w2, weights, ids = problem(t, e, k, h, i)
+    x, w13, w2, weights, ids = random_problem(t, e, k, h, i)
     torch.testing.assert_close(native_moe(x, w13, w2, weights, ids, activation),
                                moe._fused_moe(x, w13, w2, weights, ids, activation), rtol=1e-5, atol=1e-5)
 
 
 def test_expert_without_tokens_and_zero_weight_pairs():
-    x, w13, w2, weights, ids = problem(9, 6, 2, 32, 16, empty_expert=2)
+    x, w13, w2, weights, ids = random_problem(9, 6, 2, 32, 16, empty_expert=2)
     assert 2 not in ids.tolist()
     weights[::2, 1] = 0.0  # another rank's pairs under expert parallelism: skipped, whatever their id
     ids[::2, 1] = 5
@@ -52,13 +41,13 @@ def test_expert_without_tokens_and_zero_weight_pairs():
 
 
 def test_no_tokens():
-    x, w13, w2, weights, ids = problem(3, 4, 2, 32, 16)
+    x, w13, w2, weights, ids = random_problem(3, 4, 2, 32, 16)
     out = native_moe(x[:0], w13, w2, weights[:0], ids[:0])
     assert out.shape == (0, 32)
 
 
 def test_refuses_bad_routing_and_shapes():
-    x, w13, w2, weights, ids = problem(4, 4, 2, 32, 16)
+    x, w13, w2, weights, ids = random_problem(4, 4, 2, 32, 16)
     bad = ids.clone()
     bad[1, 0] = 4
     with pytest.raises(ValueError, match=r"outside \[0, 4\)"):
@@ -72,7 +61,7 @@ def test_refuses_bad_routing_and_shapes():
 def test_pack_moe_picks_the_native_kernel_for_float32_cpu_experts():
     from pagedllm.plugins.cpu_native.ops import PackedExperts
 
-    x, w13, w2, weights, ids = problem(6, 4, 2, 32, 16)
+    x, w13, w2, weights, ids = random_problem(6, 4, 2, 32, 16)
     ops.reset()
     packed = ops.pack_moe(w13, w2)
     assert isinstance(packed, PackedExperts) and packed.owns_copy
@@ -88,7 +77,7 @@ def test_unquantized_method_drops_the_plain_experts_once_packed():
 
     from pagedllm.plugins.models.moe import UnquantizedMoEMethod
 
-    x, w13, w2, weights, ids = problem(6, 4, 2, 32, 16)
+    x, w13, w2, weights, ids = random_problem(6, 4, 2, 32, 16)
     layer, method = nn.Module(), UnquantizedMoEMethod()
     method.create_weights(layer, 4, 32, 16, torch.float32)
     layer.w13_weight.data.copy_(w13)

@@ -82,27 +82,30 @@ def test_eagle1_needs_its_head():
         resolve_spec_config({"method": "eagle", "num_speculative_tokens": 3}, get_registry())
 
 
+def play(n: int, accept: float, per_row: float, k_max: int = 4, steps: int = 400) -> list[int]:
+    """The k a PayoffGuard picks at each of `steps` steps of n requests, where a step of r
+    rows takes 10 ms + per_row * r (as on a CPU) and a fraction `accept` of first drafts
+    is accepted."""
+    guard = PayoffGuard(k_max=k_max)
+    chosen, k = [], 0
+    for _ in range(steps):
+        guard.record_step(n * (1 + k), 0.010 + per_row * n * (1 + k))
+        if k:
+            guard.record_acceptance(n, round(accept * n))
+        k = guard.drafts(n)
+        chosen.append(k)
+    return chosen
+
+
 def test_payoff_guard_drafts_where_they_pay():
     """Step time grows with rows as on a CPU (fixed cost + per row); the guard must learn
     it from the steps it sees and draft k for a lone stream but none for a large batch
     when drafts are rarely accepted."""
-    def play(n: int, accept: float, per_row: float, steps: int = 400) -> list[int]:
-        guard = PayoffGuard(k_max=4)
-        chosen = []
-        k = 0
-        for _ in range(steps):
-            guard.record_step(n * (1 + k), 0.010 + per_row * n * (1 + k))
-            if k:
-                guard.record_acceptance(n, round(accept * n))
-            k = guard.drafts(n)
-            chosen.append(k)
-        return chosen[-100:]
-
-    assert min(play(1, accept=0.8, per_row=0.0005)) == 4, "cheap rows and good drafts: always k"
-    costly = play(32, accept=0.3, per_row=0.002)
+    assert min(play(1, accept=0.8, per_row=0.0005)[-100:]) == 4, "cheap rows and good drafts: always k"
+    costly = play(32, accept=0.3, per_row=0.002)[-100:]
     assert sum(costly) <= len(costly) // PayoffGuard.PROBE + 1, \
         "costly rows and poor drafts: no drafts but the acceptance probes"
-    middle = play(32, accept=0.8, per_row=0.0005)
+    middle = play(32, accept=0.8, per_row=0.0005)[-100:]
     assert 0 < min(middle) and max(middle) < 4, f"in between, some drafts: {sorted(set(middle))}"
 
 
@@ -111,20 +114,9 @@ def test_payoff_guard_widens_drafts_step_by_step():
     paying: a large batch whose single drafts do not pay never runs a k_max-wide step
     (suffix decoding's k_max 24 at 32 requests is an 800-row step), while a lone stream
     with cheap rows still reaches k_max."""
-    def tried(n: int, accept: float, per_row: float, k_max: int = 24, steps: int = 400) -> list[int]:
-        guard = PayoffGuard(k_max=k_max)
-        chosen, k = [], 0
-        for _ in range(steps):
-            guard.record_step(n * (1 + k), 0.010 + per_row * n * (1 + k))
-            if k:
-                guard.record_acceptance(n, round(accept * n))
-            k = guard.drafts(n)
-            chosen.append(k)
-        return chosen
-
-    batch = tried(32, accept=0.3, per_row=0.002)
+    batch = play(32, accept=0.3, per_row=0.002, k_max=24)
     assert max(batch) == 1, f"a batch where one draft does not pay tried k up to {max(batch)}"
-    lone = tried(1, accept=0.9, per_row=0.0001)
+    lone = play(1, accept=0.9, per_row=0.0001, k_max=24)
     widths = sorted(set(lone))
     assert widths[:5] == [0, 1, 2, 4, 8] and lone[-1] == 24, f"k did not double up to k_max: {widths}"
 
