@@ -172,7 +172,31 @@ class PackedExperts:
         return native.moe_f32(x, self.w13, self.w2, topk_weights, topk_ids, activation)
 
 
+class PackedExpertsBF16:
+    """A MoE layer's bf16 experts (`--dtype bfloat16`), each packed once for
+    dense.bf16_kernel(), run one expert at a time through ops.moe.expert_rows (F.linear
+    would hand oneDNN each plain expert and repack it on every call)."""
+
+    owns_copy = True
+
+    def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        self.w13 = [dense.prepack_bf16(w) for w in w13]
+        self.w2 = [dense.prepack_bf16(w) for w in w2]
+        self.kind = f"{dense.bf16_kernel()} per expert"
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 activation: str) -> torch.Tensor:
+        from pagedllm.ops import moe
+
+        def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
+            h = moe.activation_and_mul(dense.linear_bf16(rows, self.w13[e], None), activation)
+            return dense.linear_bf16(h, self.w2[e], None)
+
+        return moe.expert_rows(x, topk_weights, topk_ids, len(self.w13), expert)
+
+
 OP_IMPLS = [
+    OpImpl("pack_moe", "cpu_packed_bf16_moe", PackedExpertsBF16, _packed_bf16_here),
     OpImpl("pack_moe", "cpu_native_moe", PackedExperts, float32_cpu),
     OpImpl("rms_norm", "cpu_native", rms_norm, float32_cpu),
     OpImpl("silu_and_mul", "cpu_native", silu_and_mul, float32_cpu),

@@ -10,7 +10,7 @@ import torch
 
 from pagedllm import ops
 from pagedllm.ops import moe
-from pagedllm.ops.cpu import native
+from pagedllm.ops.cpu import dense, native
 from tests.ops.test_moe import random_problem
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native CPU kernels not built here")
@@ -68,7 +68,7 @@ def test_pack_moe_picks_the_native_kernel_for_float32_cpu_experts():
     torch.testing.assert_close(packed(x, weights, ids, "silu"), moe._fused_moe(x, w13, w2, weights, ids),
                                rtol=1e-5, atol=1e-5)
     # other dtypes keep the tensors and the fused_moe op
-    reference = ops.pack_moe(w13.bfloat16(), w2.bfloat16())
+    reference = ops.pack_moe(w13.half(), w2.half())
     assert not reference.owns_copy and reference.kind == "torch"
 
 
@@ -88,3 +88,17 @@ def test_unquantized_method_drops_the_plain_experts_once_packed():
     method.process_after_loading(layer)
     assert not hasattr(layer, "w13_weight") and not hasattr(layer, "w2_weight")
     torch.testing.assert_close(method.apply(layer, x, weights, ids), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not dense.bf16_available(), reason="no packed bf16 linear here")
+def test_bf16_experts_are_packed_once_and_match_the_reference():
+    from pagedllm.plugins.cpu_native.ops import PackedExpertsBF16
+
+    x, w13, w2, weights, ids = random_problem(7, 4, 2, 64, 32)
+    x, w13, w2 = x.bfloat16(), w13.bfloat16(), w2.bfloat16()
+    ops.reset()
+    packed = ops.pack_moe(w13, w2)
+    assert isinstance(packed, PackedExpertsBF16) and packed.owns_copy
+    got = packed(x, weights, ids, "silu")
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), moe._fused_moe(x, w13, w2, weights, ids).float(), rtol=2e-2, atol=2e-2)
