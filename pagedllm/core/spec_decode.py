@@ -84,9 +84,10 @@ class PayoffGuard:
     A verify step is nearly free on a GPU at small n and almost proportional to its rows on
     a CPU once a few requests batch (SmolLM2, two Sapphire Rapids cores: 64 rows take 1.6x
     the time of 32), so the same config drafts k for a lone stream and fewer or none in a
-    batch of 32. A wider step than any measured is tried (every EXPLORE steps, until its
-    bucket is trusted) only while the widest known k is still the best, k doubling each
-    time: the model never extrapolates, and never pays for a k_max-wide step in a batch
+    batch of 32. Acceptance is measured first, by a probe (one draft for the requests with
+    a real proposal); a wider step than any measured is tried (every EXPLORE steps, until
+    its bucket is trusted) only where that acceptance could pay (EXPLORE_ACCEPT) and while
+    the widest known k is still the best, k doubling each time: the model never extrapolates, and never pays for a k_max-wide step in a batch
     where one draft already did not pay (suffix decoding's k_max is 24: 32 requests x 25
     rows is a prefill-sized step).
     """
@@ -96,6 +97,9 @@ class PayoffGuard:
     TRUSTED = 2  # measurements of a row bucket before it is used
     PROBE = 32  # while drafting does not pay, one step in PROBE drafts 1 to measure acceptance,
     MAX_PROBE = 512  # the interval doubling after each probe that did not change that, up to this
+    # wider steps are explored only once a probe measured a first-draft acceptance above
+    # this: below it even free verify rows would gain under 10% (E(k) < 1 / (1 - a))
+    EXPLORE_ACCEPT = 0.1
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
@@ -158,7 +162,8 @@ class PayoffGuard:
                 # far, doubling k from the widest known (1, 2, 4, ... k_max; the ks between
                 # interpolate), so a batch where drafts do not pay never runs an n x (1 + k_max)
                 # row step just to learn that
-                if k and best == k - 1 and self.steps - self.last_try >= self.EXPLORE:
+                if k and best == k - 1 and self.steps - self.last_try >= self.EXPLORE and self.accept_seen \
+                        and self.accept > self.EXPLORE_ACCEPT:
                     self.last_try = self.steps
                     return min(self.k_max, max(1, 2 * (k - 1)))
                 break
@@ -168,7 +173,8 @@ class PayoffGuard:
                 best, best_rate = k, rate
         if best:
             self.probe_every = self.PROBE
-        elif self.k_max and self.steps - self.last_probe >= self.probe_every:
+        elif self.k_max and (self.steps - self.last_probe >= self.probe_every
+                             or not self.accept_seen and not self.last_probe):  # the first probe: now
             # a verify step now and then keeps the acceptance estimate current; while they
             # keep finding that drafting does not pay, they come half as often each time
             self.probe_every = min(self.MAX_PROBE, self.probe_every * 2) if self.last_probe else self.probe_every
