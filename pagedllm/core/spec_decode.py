@@ -94,7 +94,12 @@ class PayoffGuard:
 
     ALPHA = 0.1  # weight of the newest measurement in the moving averages
     EXPLORE = 4  # steps between tries of a row count not measured TRUSTED times yet
-    TRUSTED = 2  # measurements of a row bucket before it is used
+    # a row bucket's first WARMUP measurements are not averaged in: a new shape's first steps
+    # run eagerly (CPU replay warms up, records, then checks its first replay against an
+    # eager run; CUDA graphs capture), slower than its
+    # later ones, and an exploration measured that way would never look worth repeating
+    WARMUP = 3
+    TRUSTED = 2  # measurements of a row bucket after its warm-up before it is used
     PROBE = 32  # while drafting does not pay, one step in PROBE drafts 1 to measure acceptance,
     MAX_PROBE = 512  # the interval doubling after each probe that did not change that, up to this
     # wider steps are explored only once a probe measured a first-draft acceptance above
@@ -121,9 +126,13 @@ class PayoffGuard:
     def record_step(self, rows: int, seconds: float) -> None:
         """A step of decodes and verifies only: `rows` query rows took `seconds`."""
         entry = self.time.setdefault(self.bucket(rows), [float(rows), seconds, 0])
+        seen = entry[2]
+        entry[2] += 1
+        if seen <= self.WARMUP:  # the warm-up steps, then the first after them, start the averages
+            entry[0], entry[1] = float(rows), seconds
+            return
         entry[0] += self.ALPHA * (rows - entry[0])
         entry[1] += self.ALPHA * (seconds - entry[1])
-        entry[2] += 1
 
     def record_acceptance(self, drafts: int, first_accepted: int) -> None:
         if drafts:
@@ -137,7 +146,7 @@ class PayoffGuard:
 
     def cost(self, rows: int) -> float | None:
         """Estimated step time for `rows` rows, None when no trusted measurement is above."""
-        known = sorted((r, t) for r, t, n in self.time.values() if n >= self.TRUSTED)
+        known = sorted((r, t) for r, t, n in self.time.values() if n >= self.WARMUP + self.TRUSTED)
         if not known:
             return None
         above = [(r, t) for r, t in known if r >= rows]

@@ -82,14 +82,17 @@ def test_eagle1_needs_its_head():
         resolve_spec_config({"method": "eagle", "num_speculative_tokens": 3}, get_registry())
 
 
-def play(n: int, accept: float, per_row: float, k_max: int = 4, steps: int = 400) -> list[int]:
+def play(n: int, accept: float, per_row: float, k_max: int = 4, steps: int = 400, eager_first: int = 0) -> list[int]:
     """The k a PayoffGuard picks at each of `steps` steps of n requests, where a step of r
-    rows takes 10 ms + per_row * r (as on a CPU) and a fraction `accept` of first drafts
-    is accepted."""
+    rows takes 10 ms + per_row * r (as on a CPU; 3x that the first `eager_first` times a
+    row count runs: warm-up and recording) and a fraction `accept` of first drafts is
+    accepted."""
     guard = PayoffGuard(k_max=k_max)
-    chosen, k = [], 0
+    chosen, k, runs = [], 0, {}
     for _ in range(steps):
-        guard.record_step(n * (1 + k), 0.010 + per_row * n * (1 + k))
+        rows = n * (1 + k)
+        runs[rows] = runs.get(rows, 0) + 1
+        guard.record_step(rows, (0.010 + per_row * rows) * (3 if runs[rows] <= eager_first else 1))
         if k:
             guard.record_acceptance(n, round(accept * n))
         k = guard.drafts(n)
@@ -119,6 +122,13 @@ def test_payoff_guard_widens_drafts_step_by_step():
     lone = play(1, accept=0.9, per_row=0.0001, k_max=24)
     widths = sorted(set(lone))
     assert widths[:5] == [0, 1, 2, 4, 8] and lone[-1] == 24, f"k did not double up to k_max: {widths}"
+
+
+def test_payoff_guard_discounts_the_eager_first_steps_of_a_shape():
+    """A new row count's first two steps run eagerly (replay warms up, then records) at
+    several times its later cost: an exploration measured by them alone would never look
+    worth it, so k must still reach k_max for a lone stream with good drafts."""
+    assert min(play(1, accept=0.8, per_row=0.0005, eager_first=2)[-100:]) == 4
 
 
 def test_payoff_guard_probes_less_often_while_drafting_does_not_pay():
