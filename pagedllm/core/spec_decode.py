@@ -105,6 +105,7 @@ class PayoffGuard:
     # wider steps are explored only once a probe measured a first-draft acceptance above
     # this: below it even free verify rows would gain under 10% (E(k) < 1 / (1 - a))
     EXPLORE_ACCEPT = 0.1
+    WIDE_ROWS = 64  # a step of at most this many rows at k_max is explored at k_max at once
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
@@ -167,14 +168,18 @@ class PayoffGuard:
         for k in range(self.k_max + 1):
             cost = self.cost(n * (1 + k))
             if cost is None:
-                # past the widest measured step: try a wider one only while widening paid so
-                # far, doubling k from the widest known (1, 2, 4, ... k_max; the ks between
-                # interpolate), so a batch where drafts do not pay never runs an n x (1 + k_max)
-                # row step just to learn that
-                if k and best == k - 1 and self.steps - self.last_try >= self.EXPLORE and self.accept_seen \
-                        and self.accept > self.EXPLORE_ACCEPT:
-                    self.last_try = self.steps
-                    return min(self.k_max, max(1, 2 * (k - 1)))
+                if k and self.steps - self.last_try >= self.EXPLORE:
+                    if n * (1 + self.k_max) <= self.WIDE_ROWS:
+                        # a small step even at k_max: measure the widest first, then every k
+                        # in between interpolates
+                        self.last_try = self.steps
+                        return self.k_max if self.cost(n * (1 + self.k_max)) is None else k
+                    if best == k - 1 and self.accept_seen and self.accept > self.EXPLORE_ACCEPT:
+                        # a wide batch: widen only while widening paid so far, doubling k
+                        # from the widest known (1, 2, 4, ... k_max), so a batch where drafts
+                        # do not pay never runs an n x (1 + k_max) row step to learn that
+                        self.last_try = self.steps
+                        return min(self.k_max, max(1, 2 * (k - 1)))
                 break
             tokens = (1 - a ** (k + 1)) / (1 - a)
             rate = n * tokens / (cost + k * n * self.propose_s)

@@ -113,15 +113,18 @@ def test_payoff_guard_drafts_where_they_pay():
 
 
 def test_payoff_guard_widens_drafts_step_by_step():
-    """Exploration doubles k from the widest measured step and stops where widening stops
-    paying: a large batch whose single drafts do not pay never runs a k_max-wide step
-    (suffix decoding's k_max 24 at 32 requests is an 800-row step), while a lone stream
-    with cheap rows still reaches k_max."""
+    """In a wide batch, exploration doubles k from the widest measured step and stops where
+    widening stops paying: a batch whose single drafts do not pay never runs a k_max-wide
+    step (suffix decoding's k_max 24 at 32 requests is an 800-row step), one whose drafts
+    pay reaches k_max; a lone stream (25 rows at k_max) measures k_max at once."""
     batch = play(32, accept=0.3, per_row=0.002, k_max=24)
     assert max(batch) == 1, f"a batch where one draft does not pay tried k up to {max(batch)}"
-    lone = play(1, accept=0.9, per_row=0.0001, k_max=24)
-    widths = sorted(set(lone))
-    assert widths[:5] == [0, 1, 2, 4, 8] and lone[-1] == 24, f"k did not double up to k_max: {widths}"
+    wide = play(16, accept=0.9, per_row=0.00001, k_max=24)
+    widths = sorted(set(wide))
+    assert widths[:5] == [0, 1, 2, 4, 8] and wide[-1] >= 16, f"k did not double up to k_max: {widths}"
+    lone = play(1, accept=0.9, per_row=0.0001, k_max=24)  # 25 rows at k_max: measured at once
+    wider = [k for k in lone if k > 1]  # after the first probe's single draft
+    assert wider[0] == 24 and lone[-1] == 24, f"a lone stream did not try k_max first: {lone[:20]}"
 
 
 def test_payoff_guard_discounts_the_eager_first_steps_of_a_shape():
