@@ -278,18 +278,17 @@ class LLMEngine:
         """What the payoff guard learns from a step: its time per row (decode and verify
         steps only, the proposal's own time taken out) and the first drafts' acceptance."""
         guard = self.payoff
+        decoding = [e for e in out.scheduled if e.samples and e.num_new_tokens == 1 + len(e.spec_token_ids)]
         # even steps only: an uneven one (an acceptance probe) is a shape step replay has not
         # recorded, which would bias the time of its row count
-        if all(e.samples and e.num_new_tokens == 1 + len(e.spec_token_ids) for e in out.scheduled) \
-                and len({len(e.spec_token_ids) for e in out.scheduled}) == 1:
+        if len(decoding) == len(out.scheduled) and len({len(e.spec_token_ids) for e in decoding}) == 1:
             guard.record_step(out.num_scheduled_tokens, seconds - self._propose_s)
         drafted = [e for e in out.scheduled if e.spec_token_ids]
         if drafted:
             # per decoding request: one without a draft (a probe verifies real proposals only)
             # counts as a rejected one, as its filler would have been
-            decoding = sum(1 for e in out.scheduled if e.samples and e.num_new_tokens == 1 + len(e.spec_token_ids))
             got = {req.request_id: len(t) for req, t in touched}
-            guard.record_acceptance(max(decoding, len(drafted)),
+            guard.record_acceptance(max(len(decoding), len(drafted)),
                                     sum(got.get(e.request.request_id, 1) > 1 for e in drafted))
 
     def _propose(self, touched: list[tuple[Request, list[int]]]) -> None:

@@ -79,29 +79,36 @@ class PayoffGuard:
       end of a batch job does not bias it the way comparing runs of steps would.
     - E(k) = (1 - a^(k+1)) / (1 - a), the expected tokens a request gets from k drafts
       when each is accepted with probability a (moving average of the first draft's
-      acceptance, fillers included).
+      acceptance per decoding request: fillers included, and a request without a draft
+      in a probe counts as a rejection).
 
     A verify step is nearly free on a GPU at small n and almost proportional to its rows on
     a CPU once a few requests batch (SmolLM2, two Sapphire Rapids cores: 64 rows take 1.6x
     the time of 32), so the same config drafts k for a lone stream and fewer or none in a
-    batch of 32. Acceptance is measured first, by a probe (one draft for the requests with
-    a real proposal); a wider step than any measured is tried (every EXPLORE steps, until
-    its bucket is trusted) only where that acceptance could pay (EXPLORE_ACCEPT) and while
-    the widest known k is still the best, k doubling each time: the model never extrapolates, and never pays for a k_max-wide step in a batch
-    where one draft already did not pay (suffix decoding's k_max is 24: 32 requests x 25
-    rows is a prefill-sized step).
+    batch of 32.
+
+    Acceptance is measured first, by a probe: one draft for the requests with a real
+    proposal. A row count not measured yet is tried (every EXPLORE steps, until its bucket
+    is trusted) before the model would extrapolate past it. A step that stays small at
+    k_max (WIDE_ROWS: a lone stream) tries k_max at once, and every k between then
+    interpolates. A wide batch widens only where the measured acceptance could pay
+    (EXPLORE_ACCEPT) and while the widest known k is still the best, k doubling each time:
+    it never runs a k_max-wide step to learn that drafting does not pay (suffix decoding's
+    k_max is 24: 32 requests x 25 rows is a prefill-sized step).
     """
 
     ALPHA = 0.1  # weight of the newest measurement in the moving averages
     EXPLORE = 4  # steps between tries of a row count not measured TRUSTED times yet
     # a row bucket's first WARMUP measurements are not averaged in: a new shape's first steps
     # run eagerly (CPU replay warms up, records, then checks its first replay against an
-    # eager run; CUDA graphs capture), slower than its
-    # later ones, and an exploration measured that way would never look worth repeating
+    # eager run; CUDA graphs capture), slower than its later ones, and an exploration
+    # measured that way would never look worth repeating
     WARMUP = 3
     TRUSTED = 2  # measurements of a row bucket after its warm-up before it is used
-    PROBE = 32  # while drafting does not pay, one step in PROBE drafts 1 to measure acceptance,
-    MAX_PROBE = 512  # the interval doubling after each probe that did not change that, up to this
+    # while drafting does not pay, a probe drafts 1 to measure acceptance: PROBE steps after
+    # the first, then at doubling intervals up to MAX_PROBE while nothing changes
+    PROBE = 32
+    MAX_PROBE = 512
     # wider steps are explored only once a probe measured a first-draft acceptance above
     # this: below it even free verify rows would gain under 10% (E(k) < 1 / (1 - a))
     EXPLORE_ACCEPT = 0.1
