@@ -60,9 +60,9 @@ timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest -m cuda tests/plugins/attention -q -
   || status=$?
 if [ "$status" -eq 124 ]; then echo "pytest timed out after ${TEST_TIMEOUT}s"; fi
 
-stage "pytest tests/plugins/quant + moe_triton (Triton int4/int8 dequant-GEMM, FP8 _scaled_mm, MoE grouped GEMM)"
+stage "pytest tests/plugins/quant + moe_triton (Triton int4/int8/NF4 dequant-GEMM, block-FP8 GEMM, FP8 _scaled_mm, MoE grouped GEMM)"
 quant_status=0
-timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest tests/plugins/quant/test_triton_int.py \
+timeout "$TEST_TIMEOUT" "$PYTHON" -m pytest tests/plugins/quant/test_triton_int.py tests/plugins/quant/test_triton_fp8.py \
   "tests/plugins/quant/test_fp8.py::test_fp8_on_cuda_uses_scaled_mm" tests/plugins/moe_triton \
   -q -rs -p no:cacheprovider || quant_status=$?
 if [ "$status" -eq 0 ]; then status=$quant_status; fi

@@ -109,6 +109,19 @@ def row_scale_param(layer: nn.Module, name: str, output_sizes: list[int]) -> nn.
     return scale
 
 
+def block_kernel(device: torch.device, block: tuple[int, int], input_size: int) -> str:
+    """Which kernel multiplies block-scaled FP8 weights here: "triton" (triton_fp8.py: the
+    codes stay 1 byte, CUDA with triton installed, block widths a multiple of 16), else
+    "dense" (dequantized once at load to the compute dtype)."""
+    if device.type != "cuda" or block[1] % 16:
+        return "dense"
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "dense"
+    return "triton"
+
+
 def check_block_split(layer: nn.Module, output_sizes: list[int], input_size: int, block: tuple[int, int]) -> None:
     """Refuse a tensor-parallel part that cuts a scale block: block scales are split by
     whole blocks, so this rank's rows of each shard (column parallel) or its input
@@ -188,6 +201,13 @@ class Fp8LinearMethod(LinearMethod):
         layer.fp8_block = None
         layer.fp8_w8a8 = quantizes_activations(device)
         acts = "W8A8" if layer.fp8_w8a8 else "W8A16"
+        layer.fp8_triton = None
+        if cfg.serialized and cfg.block is not None and block_kernel(device, cfg.block, codes.shape[1]) == "triton":
+            layer.fp8_triton = (codes.view(torch.uint8), layer.weight_scale_inv.data.float().contiguous())
+            layer.fp8_block = cfg.block[1]
+            layer.fp8_kind = f"block-fp8 Triton GEMM {acts}"
+            log_kernel_once("fp8", layer.fp8_kind)
+            return
         if cfg.serialized and cfg.block is not None:
             bn, bk = cfg.block
             s = layer.weight_scale_inv.data
@@ -247,7 +267,15 @@ class Fp8LinearMethod(LinearMethod):
             if layer.fp8_w8a8:
                 codes, scale = quantize_rows(x2, bk)
                 x2 = (codes.float().view(x2.shape[0], -1, bk) * scale[..., None]).view_as(x2).to(x.dtype)
-            out = layer.fp8_dense(x2, bias)
+            if layer.fp8_triton is not None:
+                from pagedllm.plugins.quant import triton_fp8
+
+                out = triton_fp8.linear(x2.float().contiguous(), *layer.fp8_triton, self.cfg.block)
+                if bias is not None:
+                    out = out + bias
+                out = out.to(x.dtype)
+            else:
+                out = layer.fp8_dense(x2, bias)
             return out.view(*x.shape[:-1], out.shape[-1])
         if not layer.fp8_w8a8:  # weight-only: the widened codes times the activations as they are
             xq, x_scale = x2, None
