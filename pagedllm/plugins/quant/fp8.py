@@ -18,9 +18,10 @@ and buy no speed, since the GEMM is the same. `PAGEDLLM_FP8_ACTIVATIONS=fp8` qua
 everywhere (a GPU's numerics on the CPU), `float` never. On the CPU the codes are widened to
 bf16 (exact: every e4m3 value is a bf16 value) where the CPU multiplies bf16 natively with
 float32 sums (the activations are then rounded to bf16), else to float32 (exact), and one
-GEMM gives the products; the scales are applied to its output. Block-scaled weights are
-dequantized once at load (their scales vary along the input, so they do not factor out
-of one GEMM).
+GEMM gives the products; the scales are applied to its output. Block-scaled weights (their
+scales vary along the input, so they do not factor out of one GEMM) run on CUDA through
+triton_fp8.py's GEMM, which applies the block scales tile by tile on the 1-byte codes;
+elsewhere they are dequantized once at load.
 
 Tensor parallelism (layers.Linear's column / row split): the fp8 codes narrow like any
 weight; a per-tensor scale (one per fused shard) and a static input scale hold for every
