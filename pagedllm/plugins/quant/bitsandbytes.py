@@ -36,7 +36,7 @@ from pagedllm import ops
 from pagedllm.core.contracts import LinearMethod, QuantConfig
 from pagedllm.core.loader import HFDirectory
 from pagedllm.ops.cpu import native
-from pagedllm.plugins.quant.int_weights import GroupedIntMethod, IntGroups, log_kernel_once
+from pagedllm.plugins.quant.int_weights import GroupedIntMethod, IntGroups, log_kernel_once, triton_installed
 
 STATE_KEY = "quant_state.bitsandbytes__"  # + nf4 / fp4
 PARTS = ("absmax", "quant_map", "nested_absmax", "nested_quant_map")
@@ -74,11 +74,7 @@ def codebook_kernel(device: torch.device, block: int, input_size: int) -> str:
     installed), else "dense" (one dequantized copy made at load)."""
     if device.type == "cpu" and native.available() and block % 16 == 0:
         return "native"
-    if device.type == "cuda" and block % 16 == 0 and input_size % 8 == 0:
-        try:
-            import triton  # noqa: F401
-        except ImportError:
-            return "dense"
+    if device.type == "cuda" and block % 16 == 0 and input_size % 8 == 0 and triton_installed():
         return "triton"
     return "dense"
 

@@ -49,7 +49,7 @@ from pagedllm.core import envs
 from pagedllm.core.contracts import LinearMethod, QuantConfig
 from pagedllm.ops.cpu import dense, features
 from pagedllm.plugins.models.layers import split_parameter
-from pagedllm.plugins.quant.int_weights import log_kernel_once
+from pagedllm.plugins.quant.int_weights import log_kernel_once, triton_installed
 
 logger = logging.getLogger("pagedllm")
 
@@ -114,13 +114,7 @@ def block_kernel(device: torch.device, block: tuple[int, int], input_size: int) 
     """Which kernel multiplies block-scaled FP8 weights here: "triton" (triton_fp8.py: the
     codes stay 1 byte, CUDA with triton installed, block widths a multiple of 16), else
     "dense" (dequantized once at load to the compute dtype)."""
-    if device.type != "cuda" or block[1] % 16:
-        return "dense"
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "dense"
-    return "triton"
+    return "triton" if device.type == "cuda" and block[1] % 16 == 0 and triton_installed() else "dense"
 
 
 def check_block_split(layer: nn.Module, output_sizes: list[int], input_size: int, block: tuple[int, int]) -> None:

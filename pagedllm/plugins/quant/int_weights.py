@@ -145,11 +145,19 @@ def log_kernel_once(what: str, kind: str) -> None:
         logger.info("%s linear layers: %s kernel", what, kind)
 
 
-def _triton_reads(parts: list[IntGroups]) -> bool:
-    """Whether the Triton kernel takes these parts (and triton is installed)."""
+def triton_installed() -> bool:
+    """Whether triton imports here (the CUDA dequant-GEMMs of triton_int.py / triton_fp8.py
+    need it; those modules import it at the top)."""
     try:
         import triton  # noqa: F401
     except ImportError:
+        return False
+    return True
+
+
+def _triton_reads(parts: list[IntGroups]) -> bool:
+    """Whether the Triton kernel takes these parts (and triton is installed)."""
+    if not triton_installed():
         return False
     return all(p.group % 16 == 0 and p.codes.shape[1] % (32 // p.bits) == 0 for p in parts)
 

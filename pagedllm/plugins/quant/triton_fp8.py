@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedllm.plugins.quant.triton_int import BLOCK_N, block_k, launch, x_tile
+
 
 @triton.jit
 def _fp8_block_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BN_SCALE, BK_SCALE,
@@ -33,8 +35,7 @@ def _fp8_block_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BN_SCALE, BK_SCALE,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        x = x_tile(x_ptr, rm, kk, M, K, stride_xm)
         b = tl.load(w_ptr + rn[None, :] * stride_wn + kk[:, None],
                     mask=(kk[:, None] < K) & (rn[None, :] < N), other=0).to(tl.int32)
         e = (b >> 3) & 15
@@ -47,14 +48,6 @@ def _fp8_block_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BN_SCALE, BK_SCALE,
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
-def block_k(bk: int) -> int:
-    """The K step: at most 64, dividing the scale block's width (a step sees one scale)."""
-    for size in (64, 32, 16):
-        if bk % size == 0:
-            return size
-    raise ValueError(f"FP8 weight block width {bk} is not a multiple of 16")
-
-
 def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> [M, N] float32, for codes float8_e4m3fn (or their uint8
     view) [N, K] and float32 scales [ceil(N / bn), ceil(K / bk)]."""
@@ -62,8 +55,8 @@ def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tu
     n = codes.shape[0]
     raw = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    block_m, grid = launch(m, n)
     _fp8_block_gemm[grid](x, raw, scales, y, m, n, k, block[0], block[1], x.stride(0), raw.stride(0),
-                          scales.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k(block[1]))
+                          scales.stride(0), y.stride(0), BLOCK_M=block_m, BLOCK_N=BLOCK_N,
+                          BLOCK_K=block_k(block[1], "FP8 weight block width"))
     return y

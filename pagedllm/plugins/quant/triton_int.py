@@ -21,6 +21,13 @@ import triton.language as tl
 
 
 @triton.jit
+def x_tile(x_ptr, rm, kk, M, K, stride_xm):
+    """Rows rm, columns kk of x [M, K] (row stride stride_xm), zeros outside it."""
+    return tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
 def _int_gemm(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, GROUP,
               stride_xm, stride_wk, stride_sg, stride_ym,
               BITS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -35,8 +42,7 @@ def _int_gemm(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, GROUP,
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + rk
-        x = tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :],
-                    mask=(rm[:, None] < M) & (kk[None, :] < K), other=0.0)
+        x = x_tile(x_ptr, rm, kk, M, K, stride_xm)
         words = tl.load(w_ptr + (kk // PER_WORD)[:, None] * stride_wk + rn[None, :],
                         mask=(kk[:, None] < K) & (rn[None, :] < N), other=0)
         codes = (words >> ((kk % PER_WORD) * BITS)[:, None]) & MASK
@@ -62,12 +68,23 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32).contiguous()
 
 
-def block_k(group: int) -> int:
-    """The K step: at most 64, dividing the group size (a step stays in one group)."""
+def block_k(group: int, what: str = "group size") -> int:
+    """The K step: at most 64, dividing the group size (a step stays in one group; also
+    triton_fp8's scale blocks, `what` naming the width in the error)."""
     for size in (64, 32, 16):
         if group % size == 0:
             return size
-    raise ValueError(f"group size {group} is not a multiple of 16")
+    raise ValueError(f"{what} {group} is not a multiple of 16")
+
+
+BLOCK_N = 64  # output columns per program
+
+
+def launch(m: int, n: int) -> tuple[int, tuple[int, int]]:
+    """(BLOCK_M, grid) for an [m, n] output: row tiles of 16, 32 or 64 by the row count,
+    BLOCK_N columns each (triton_fp8's GEMM launches alike)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    return block_m, (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
 
 
 def linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
@@ -78,8 +95,7 @@ def linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: to
     m, k = x.shape
     n = words.shape[1]
     y = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, 64))
+    block_m, grid = launch(m, n)
     _int_gemm[grid](x, words, scales, zeros, y, m, n, k, group, x.stride(0), words.stride(0), scales.stride(0),
-                    y.stride(0), BITS=bits, BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=block_k(group), LUT=codebook)
+                    y.stride(0), BITS=bits, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=block_k(group), LUT=codebook)
     return y
