@@ -389,18 +389,13 @@ def dense_linear(x: torch.Tensor, w: DenseWeight, bias: torch.Tensor | None = No
 
 
 @dataclass(frozen=True)
-class DenseExperts:
+class DenseExperts(DenseWeight):
     """A MoE layer's stacked float32 experts [E, N, K], each in pd_sgemm's panels:
     [E, ceil(N/16), K, 16]."""
 
-    e: int
-    n: int
-    k: int
-    panels: torch.Tensor
-
     @property
-    def nbytes(self) -> int:
-        return self.panels.numel() * self.panels.element_size()
+    def e(self) -> int:
+        return self.panels.shape[0]
 
 
 MOE_MAX_TOP_K = 64  # PD_MOE_MAX_K in csrc/moe.c
@@ -408,7 +403,7 @@ MOE_ACTIVATIONS = {"silu": 0, "gelu": 1}
 
 
 def pack_experts(weights: torch.Tensor) -> DenseExperts:
-    """Pack stacked float32 CPU expert weights [E, N, K] once, for `moe_linear`."""
+    """Pack stacked float32 CPU expert weights [E, N, K] once, for `moe_f32`."""
     if weights.dim() != 3:
         raise ValueError(f"expert weights: expected [E, N, K], got {list(weights.shape)}")
     e, n, k = weights.shape
@@ -417,7 +412,7 @@ def pack_experts(weights: torch.Tensor) -> DenseExperts:
     panels = torch.empty(e, (n + 15) // 16, k, 16, dtype=torch.float32)
     for i in range(e):
         kernels().pd_sgemm_pack(w[i].data_ptr(), n, k, panels[i].data_ptr())
-    return DenseExperts(e, n, k, panels)
+    return DenseExperts(n, k, panels)
 
 
 def moe_f32(x: torch.Tensor, w13: DenseExperts, w2: DenseExperts, topk_weights: torch.Tensor,
