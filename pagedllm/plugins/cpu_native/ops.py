@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.core.contracts import OpImpl
+from pagedllm.ops import moe
 from pagedllm.ops.cpu import crossover, dense, native
 
 
@@ -186,8 +187,6 @@ class PackedExpertsBF16:
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  activation: str) -> torch.Tensor:
-        from pagedllm.ops import moe
-
         def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
             h = moe.activation_and_mul(dense.linear_bf16(rows, self.w13[e], None), activation)
             return dense.linear_bf16(h, self.w2[e], None)
