@@ -59,28 +59,28 @@ def prepack(weight: torch.Tensor) -> native.DenseWeight | torch.Tensor | None:
 
 
 def bf16_available() -> bool:
-    """True where bf16 weights can be packed: AMX tiles (csrc/amx.c) or oneDNN's layout
-    (oneDNN emulates bf16 on CPUs without native support, so callers also check
-    `features.detect().native_bf16`)."""
-    return native.switched_on() and (_amx_available() or _onednn_available())
+    """True where bf16 weights can be packed: our kernels (AMX tiles, csrc/amx.c, or
+    AVX512-BF16, csrc/bf16dot.c) or oneDNN's layout (oneDNN emulates bf16 on CPUs without
+    native support, so callers also check `features.detect().native_bf16`)."""
+    return native.switched_on() and (_native_bf16_kernel() is not None or _onednn_available())
 
 
-def _amx_available() -> bool:
-    return native.available() and native.amx_available()
+def _native_bf16_kernel() -> str | None:
+    return native.bf16_tiles_kernel() if native.available() else None
 
 
 def bf16_kernel() -> str:
-    """Which kernel `prepack_bf16` packs for: "amx-bf16" (ours, where the CPU has AMX) or
-    "onednn-bf16" (AVX512-BF16 CPUs such as Zen 4, or a build without AMX). Crossover cache
-    keys name it, so a measurement of one is never read for the other."""
-    return "amx-bf16" if _amx_available() else "onednn-bf16"
+    """Which kernel `prepack_bf16` packs for: "amx-bf16" or "avx512-bf16" (ours, where the
+    CPU has AMX tiles or AVX512-BF16 dot products), else "onednn-bf16". Crossover cache
+    keys name it, so a measurement of one is never read for another."""
+    return _native_bf16_kernel() or "onednn-bf16"
 
 
 def bf16_sums_in_float32() -> bool:
-    """Whether `linear_bf16` returns its float32 sums unrounded (the AMX kernel); oneDNN's
+    """Whether `linear_bf16` returns its float32 sums unrounded (our kernels); oneDNN's
     come back rounded to bf16, 8 bits of mantissa, too coarse where bf16 inputs are exact
     (FP8 codes) and only the products were meant to be bf16."""
-    return bf16_kernel() == "amx-bf16"
+    return _native_bf16_kernel() is not None
 
 
 def bf16_products_allowed() -> bool:
@@ -90,20 +90,20 @@ def bf16_products_allowed() -> bool:
     return precision.float32_matmul_precision() == "medium" and features.detect().native_bf16
 
 
-def prepack_bf16(weight: torch.Tensor) -> native.AmxWeight | torch.Tensor:
-    """A bf16 copy of a float or bf16 CPU weight [N, K] for `bf16_kernel()`: AMX tiles, else
+def prepack_bf16(weight: torch.Tensor) -> native.Bf16Tiles | torch.Tensor:
+    """A bf16 copy of a float or bf16 CPU weight [N, K] for `bf16_kernel()`: our tiles, else
     oneDNN's packed layout."""
-    if _amx_available():
-        return native.pack_amx(weight)
+    if _native_bf16_kernel() is not None:
+        return native.pack_bf16_tiles(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(torch.bfloat16).contiguous(), PACK_HINT_ROWS)
 
 
-def linear_bf16(x: torch.Tensor, packed: native.AmxWeight | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def linear_bf16(x: torch.Tensor, packed: native.Bf16Tiles | torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) with bf16 products and float32 sums, for a weight from
-    `prepack_bf16`; returns x's dtype. A float32 x is rounded to bf16 going in; the AMX
-    kernel returns float32 sums as they are, oneDNN's are bf16-rounded on the way out."""
-    if isinstance(packed, native.AmxWeight):
-        return native.amx_linear(x, packed, bias)
+    `prepack_bf16`; returns x's dtype. A float32 x is rounded to bf16 going in; our kernels
+    return float32 sums as they are, oneDNN's are bf16-rounded on the way out."""
+    if isinstance(packed, native.Bf16Tiles):
+        return native.bf16_tiles_linear(x, packed, bias)
     if x.dtype == torch.bfloat16:
         return torch.ops.mkldnn._linear_pointwise(x, packed, None if bias is None else bias.to(x.dtype),
                                                   "none", [], "")

@@ -41,7 +41,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 7  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 8  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
@@ -77,6 +77,8 @@ _SIGNATURES = {
     "pd_amx_packed_size": (_i64, [_i64, _i64]),
     "pd_amx_pack": (None, [_p, _i64, _i64, _p]),
     "pd_amx_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
+    "pd_has_bf16dot": (_i32, []),
+    "pd_bf16dot_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
 }
 
 
@@ -445,8 +447,9 @@ def moe_f32(x: torch.Tensor, w13: DenseExperts, w2: DenseExperts, topk_weights: 
 
 
 @dataclass(frozen=True)
-class AmxWeight:
-    """A [N, K] matrix as bf16 AMX tiles for `amx_linear` (layout: csrc/amx.c)."""
+class Bf16Tiles:
+    """A [N, K] matrix as bf16 tiles (layout: csrc/amx.c) for `bf16_tiles_linear`: AMX reads
+    them as tiles, AVX512-BF16 (csrc/bf16dot.c) as 16-column pair vectors."""
 
     n: int
     k: int
@@ -464,21 +467,35 @@ def amx_available() -> bool:
     return lib is not None and bool(lib.pd_has_amx())
 
 
-def pack_amx(weight: torch.Tensor) -> AmxWeight:
+def bf16dot_available() -> bool:
+    """True where the library was built for a CPU with AVX512-BF16 (csrc/bf16dot.c)."""
+    lib = kernels()
+    return lib is not None and bool(lib.pd_has_bf16dot())
+
+
+def bf16_tiles_kernel() -> str | None:
+    """Which native kernel `bf16_tiles_linear` runs here: "amx-bf16", "avx512-bf16", or None."""
+    if amx_available():
+        return "amx-bf16"
+    return "avx512-bf16" if bf16dot_available() else None
+
+
+def pack_bf16_tiles(weight: torch.Tensor) -> Bf16Tiles:
     """A float or bf16 CPU weight [N, K] rounded to bf16 (nearest even) and tiled once, for
-    `amx_linear`."""
+    `bf16_tiles_linear`."""
     if weight.dim() != 2:
         raise ValueError(f"weight: expected [N, K], got {list(weight.shape)}")
     n, k = weight.shape
     w = weight.detach().float().contiguous()
     tiles = torch.empty(kernels().pd_amx_packed_size(n, k), dtype=torch.int16)
     kernels().pd_amx_pack(w.data_ptr(), n, k, tiles.data_ptr())
-    return AmxWeight(n, k, tiles)
+    return Bf16Tiles(n, k, tiles)
 
 
-def amx_linear(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def bf16_tiles_linear(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (float32 or bf16): bf16 products,
-    float32 sums, one rounding of a bf16 output."""
+    float32 sums, one rounding of a bf16 output; on AMX tiles where this process has them,
+    else AVX512-BF16."""
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.shape[-1] != w.k:
         raise ValueError(f"x: expected a CPU float32 or bf16 [..., {w.k}], got {x.device} {x.dtype} {list(x.shape)}")
     lead = x.shape[:-1]
@@ -490,12 +507,13 @@ def amx_linear(x: torch.Tensor, w: AmxWeight, bias: torch.Tensor | None = None) 
     b = None if bias is None else _ptr(bias, "bias", torch.float32)
     m, bf16 = x2.shape[0], x.dtype == torch.bfloat16
     out = torch.empty(m, w.n, dtype=x.dtype)
-    rc = _lib().pd_amx_linear(x2.data_ptr(), bf16, x2.stride(0), m, w.k, w.tiles.data_ptr(), w.n, b, out.data_ptr(),
-                              bf16, w.n)
+    kernel = _lib().pd_amx_linear if amx_available() else _lib().pd_bf16dot_linear
+    rc = kernel(x2.data_ptr(), bf16, x2.stride(0), m, w.k, w.tiles.data_ptr(), w.n, b, out.data_ptr(), bf16, w.n)
     if rc == PD_EINVAL:
-        raise RuntimeError("pd_amx_linear: this build or process has no AMX (check amx_available() first)")
+        raise RuntimeError("bf16_tiles_linear: this build or process has neither AMX nor AVX512-BF16 "
+                           "(check bf16_tiles_kernel() first)")
     if rc != PD_OK:
-        raise MemoryError(f"pd_amx_linear: out of memory rounding {m}x{w.k} activations to bf16")
+        raise MemoryError(f"bf16_tiles_linear: out of memory rounding {m}x{w.k} activations to bf16")
     return out.view(*lead, w.n)
 
 

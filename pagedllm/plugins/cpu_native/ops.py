@@ -119,7 +119,7 @@ class PackedDense:
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
         self.packed = dense.prepack(weight)
-        self.bf16: native.AmxWeight | torch.Tensor | None = None  # dense.prepack_bf16's layout
+        self.bf16: native.Bf16Tiles | torch.Tensor | None = None  # dense.prepack_bf16's layout
         self.bf16_from = crossover.NEVER  # rows from which the bf16 copy serves
         self.kind = "f32"
         if bf16_products_pay():

@@ -47,7 +47,7 @@ from torch import nn
 from pagedllm import ops
 from pagedllm.core import envs
 from pagedllm.core.contracts import LinearMethod, QuantConfig
-from pagedllm.ops.cpu import dense, features
+from pagedllm.ops.cpu import dense
 from pagedllm.plugins.models.layers import split_parameter
 from pagedllm.plugins.quant.int_weights import log_kernel_once, triton_installed
 
@@ -237,9 +237,10 @@ class Fp8LinearMethod(LinearMethod):
             wide = codes.to(torch.bfloat16)
             layer.fp8_gemm = lambda xq, w=wide: F.linear(xq.to(torch.bfloat16), w).float()
             layer.fp8_kind = f"fp8-as-bf16 {acts} (cuda)"
-        elif features.detect().native_bf16 and dense.bf16_available() and dense.bf16_sums_in_float32():
-            # FP8 codes are exact in bf16, so bf16 products lose nothing; bf16-rounded sums
-            # (oneDNN on AVX512-BF16 CPUs such as Zen 4) would, so those take float32 below
+        elif dense.bf16_products_allowed() and dense.bf16_available() and dense.bf16_sums_in_float32():
+            # FP8 codes are exact in bf16, so only the activations' rounding to bf16 is lost,
+            # which "medium" precision allows (--dtype float32 keeps float32 activations);
+            # bf16-rounded sums (oneDNN) would lose more, so those take float32 below
             packed = dense.prepack_bf16(codes.to(torch.bfloat16))
             layer.fp8_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
             layer.fp8_kind = f"fp8-as-bf16 {acts} ({dense.bf16_kernel()})"

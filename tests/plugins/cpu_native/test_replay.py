@@ -104,20 +104,20 @@ def test_moe_steps_are_replayed(tmp_path, replays):
     assert got == eager, "replayed MoE steps gave other tokens or logprobs than eager steps"
 
 
-@pytest.mark.parametrize("kernel", ["onednn", "amx"])
+@pytest.mark.parametrize("kernel", ["onednn", "native"])
 def test_bf16_products_are_replayed(tiny_model_dir, replays, monkeypatch, kernel):
     """Under "medium" precision the GEMMs are oneDNN calls (torch ops between the kernels)
-    or, on an AMX CPU, native pd_amx_linear calls; either way their replays equal eager
-    steps of the same precision exactly."""
+    or, on a CPU with AMX or AVX512-BF16, native pd_amx_linear / pd_bf16dot_linear calls;
+    either way their replays equal eager steps of the same precision exactly."""
     from pagedllm.ops.cpu import native
     from pagedllm.plugins.cpu_native import ops as cpu_ops
 
-    if kernel == "amx" and not (native.available() and native.amx_available()):
-        pytest.skip("no AMX on this CPU")
+    if kernel == "native" and not (native.available() and native.bf16_tiles_kernel()):
+        pytest.skip("neither AMX nor AVX512-BF16 on this CPU")
     if kernel == "onednn":
         if not cpu_ops.dense._onednn_available():
             pytest.skip("oneDNN's packed linear is unavailable")
-        monkeypatch.setattr(cpu_ops.dense, "_amx_available", lambda: False)
+        monkeypatch.setattr(cpu_ops.dense, "_native_bf16_kernel", lambda: None)
     monkeypatch.setenv("PAGEDLLM_FLOAT32_MATMUL_PRECISION", "medium")
     monkeypatch.setattr(cpu_ops, "bf16_products_pay", lambda: True)  # bf16 even where it is emulated
     monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: 1)
@@ -129,8 +129,9 @@ def test_bf16_products_are_replayed(tiny_model_dir, replays, monkeypatch, kernel
     if kernel == "onednn":
         assert any("linear_pointwise" in getattr(func, "__name__", repr(func)) for g in graphs for _, func, *_ in g.ops)
     else:
-        assert any(getattr(fn, "__name__", "") == "pd_amx_linear" for g in graphs for fn, *_ in g.calls), \
-            "no AMX GEMM was recorded"
+        names = {"pd_amx_linear", "pd_bf16dot_linear"}
+        assert any(getattr(fn, "__name__", "") in names for g in graphs for fn, *_ in g.calls), \
+            "no native bf16 GEMM was recorded"
     assert replays["n"] >= 7
     _, eager = generate(model_dir, enforce_eager=True)
     assert got == eager

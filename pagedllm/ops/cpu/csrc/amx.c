@@ -1,5 +1,8 @@
 /* A bf16 linear on Intel AMX tiles (pd_amx_pack, pd_amx_linear), built where the
  * compiler targets a CPU with AMX-BF16 (-march=native on Sapphire Rapids and later).
+ * The packed layout is also what bf16dot.c's AVX512-BF16 kernel reads (a tile row is one
+ * 512-bit register of 16 column pairs), so pd_amx_pack and the activation rounding are
+ * built everywhere.
  *
  * Why our own and not oneDNN's (which torch ships and dense.py also uses): at decode
  * batch sizes (1-64 rows) a linear only streams its weight once, so it should run at
@@ -61,26 +64,6 @@ static void amx_configure(void) {
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
-}
-
-/* rows [0, M) of x (row stride ldx; float32, or bf16 when x_bf16) -> bf16 [Mp][Kp],
- * zero-padded to the tile grid */
-static void amx_pack_x(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
-                       uint16_t *xa) {
-#pragma omp parallel for schedule(static) if (M * K >= 32768)
-    for (int64_t i = 0; i < Mp; i++) {
-        uint16_t *dst = xa + i * Kp;
-        int64_t k = 0;
-        if (i < M && x_bf16) {
-            memcpy(dst, (const uint16_t *)x + i * ldx, (size_t)K * sizeof(uint16_t));
-            k = K;
-        } else if (i < M) {
-            const float *src = (const float *)x + i * ldx;
-            pd_bf16_round_row(src, dst, K);
-            k = K;
-        }
-        for (; k < Kp; k++) dst[k] = 0;
-    }
 }
 
 /* The 32 x 32 (or smaller: two_m / two_n false drop the second half) block of y at rows
@@ -147,6 +130,26 @@ static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n
 }
 #endif
 
+/* rows [0, M) of x (row stride ldx; float32, or bf16 when x_bf16) -> bf16 [Mp][Kp],
+ * zero-padded to the tile grid */
+void pd_bf16_pack_x(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
+                    uint16_t *xa) {
+#pragma omp parallel for schedule(static) if (M * K >= 32768)
+    for (int64_t i = 0; i < Mp; i++) {
+        uint16_t *dst = xa + i * Kp;
+        int64_t k = 0;
+        if (i < M && x_bf16) {
+            memcpy(dst, (const uint16_t *)x + i * ldx, (size_t)K * sizeof(uint16_t));
+            k = K;
+        } else if (i < M) {
+            const float *src = (const float *)x + i * ldx;
+            pd_bf16_round_row(src, dst, K);
+            k = K;
+        }
+        for (; k < Kp; k++) dst[k] = 0;
+    }
+}
+
 int pd_has_amx(void) {
 #if PD_AMX
     return amx_permitted();
@@ -158,7 +161,6 @@ int pd_has_amx(void) {
 int64_t pd_amx_packed_size(int64_t N, int64_t K) { return (N + 15) / 16 * ((K + 31) / 32) * AMX_TILE_BF16; }
 
 void pd_amx_pack(const float *w, int64_t N, int64_t K, uint16_t *wp) {
-#if PD_AMX
     int64_t NB = (N + 15) / 16, KB = (K + 31) / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < NB; nb++)
@@ -171,9 +173,6 @@ void pd_amx_pack(const float *w, int64_t N, int64_t K, uint16_t *wp) {
                         tile[r * 32 + n * 2 + e] = row < N && k < K ? pd_bf16_round(w[row * K + k]) : 0;
                     }
         }
-#else
-    (void)w, (void)N, (void)K, (void)wp;
-#endif
 }
 
 /* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias, float32), W from
@@ -188,7 +187,7 @@ int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, 
     int64_t Kp = (K + 31) / 32 * 32, KB = Kp / 32, Mp = (M + 15) / 16 * 16, NB = (N + 15) / 16;
     uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)(Mp * Kp) * sizeof(uint16_t));
     if (xa == NULL) return PD_ENOMEM;
-    amx_pack_x(x, x_bf16, ldx, M, K, Mp, Kp, xa);
+    pd_bf16_pack_x(x, x_bf16, ldx, M, K, Mp, Kp, xa);
     int64_t pairs = (NB + 1) / 2;
 #pragma omp parallel
     {

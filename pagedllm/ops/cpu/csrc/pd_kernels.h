@@ -54,7 +54,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 7
+#define PD_ABI_VERSION 8
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
@@ -69,6 +69,10 @@ enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8 };
 int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
              float *y, int64_t ldy);
 void pd_silu_mul(const float *x, float *out, int64_t T, int64_t I);
+/* amx.c's activation rounding, which bf16dot.c shares: rows [0, M) of x (float32, or bf16
+ * when x_bf16) -> bf16 [Mp][Kp], zero-padded */
+void pd_bf16_pack_x(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
+                    uint16_t *xa);
 
 /* ------------------------------------------------------------------ shared helpers
  * hsum256: quant.c, attention.c and dot; dot: quant.c, pd_rms_norm, attention.c;
