@@ -38,10 +38,32 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 # Bytes written between timed calls so a layer's weight is measured as a step meets it,
-# out of the cores' L2 (a model's layers stream through it, each once per step): timed
+# from memory (a model's layers stream through the caches, each once per step): timed
 # hot, a bf16 weight 4x the bytes of the 4-bit one measured faster at one row on a 2-core
-# Sapphire Rapids and ran single-stream decode 20% slower.
+# Sapphire Rapids and ran single-stream decode 20% slower. At least this much, and twice
+# the last-level cache where that is larger: on a Zen 4 with 32 MiB of L3, 16 MiB left
+# SmolLM2's bf16 weights in L3, the bf16 GEMM won at one row, and single-stream decode
+# ran at 0.64x.
 EVICT_BYTES = 16 << 20
+
+
+def last_level_cache_bytes() -> int:
+    """The largest cache Linux reports for CPU 0 (0 where sysfs says nothing)."""
+    best = 0
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, int(digits) * scale)
+    return best
+
+
+def evict_bytes() -> int:
+    return max(EVICT_BYTES, 2 * last_level_cache_bytes())
 
 
 def _best_time(fn: Kernel, x: torch.Tensor, budget_s: float, evict: torch.Tensor) -> float:
@@ -65,7 +87,7 @@ def measure(small: Kernel, large: Kernel, k: int, candidates: tuple[int, ...] = 
     candidates in a row (or at the last one), NEVER if it never is; both kernels take a
     float32 [rows, k] input."""
     gen = torch.Generator().manual_seed(0)
-    evict = torch.empty(EVICT_BYTES, dtype=torch.uint8)  # freed once measured
+    evict = torch.empty(evict_bytes(), dtype=torch.uint8)  # freed once measured
     won = []
     for rows in candidates:
         x = torch.randn(rows, k, generator=gen)
@@ -84,7 +106,8 @@ def _cache_file() -> Path:
 def _machine_key() -> str:
     cpu = features.detect()
     flags = hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:12]
-    return f"{cpu.model}|{flags}|threads={torch.get_num_threads()}"
+    # the eviction size is part of how a figure was measured: a change re-measures
+    return f"{cpu.model}|{flags}|threads={torch.get_num_threads()}|evict={evict_bytes() >> 20}M"
 
 
 def _load() -> dict[str, int]:
