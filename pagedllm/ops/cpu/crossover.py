@@ -12,6 +12,7 @@ start-ups skip the timing and pick the same paths.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -47,6 +48,7 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 EVICT_BYTES = 16 << 20
 
 
+@functools.lru_cache(maxsize=1)
 def last_level_cache_bytes() -> int:
     """The largest cache Linux reports for CPU 0 (0 where sysfs says nothing)."""
     best = 0

@@ -39,13 +39,13 @@ static inline __attribute__((always_inline)) void bd_block(int mr, int ns, const
     for (int i = 0; i < mr; i++)
         for (int s = 0; s < ns; s++) acc[i][s] = _mm512_setzero_ps();
     const int32_t *xr = (const int32_t *)(xa + m0 * Kp);
-    int64_t pairs = Kp / 2, xs = Kp / 2;
+    int64_t pairs = Kp / 2; /* k pairs, also x's row stride in 32-bit pairs */
     for (int64_t p = 0; p < pairs; p++) {
         if (p < npf) _mm_prefetch(pf + 64 * p, _MM_HINT_T1);
         __m512bh w[BD_STRIPS];
         for (int s = 0; s < ns; s++) w[s] = (__m512bh)_mm512_loadu_si512((const void *)(b + s * strip + p * 32));
         for (int i = 0; i < mr; i++) {
-            __m512bh xv = (__m512bh)_mm512_set1_epi32(xr[i * xs + p]);
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(xr[i * pairs + p]);
             for (int s = 0; s < ns; s++) acc[i][s] = _mm512_dpbf16_ps(acc[i][s], xv, w[s]);
         }
     }
