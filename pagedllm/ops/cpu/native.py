@@ -41,7 +41,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 8  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 9  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
@@ -79,6 +79,10 @@ _SIGNATURES = {
     "pd_amx_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
     "pd_has_bf16dot": (_i32, []),
     "pd_bf16dot_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
+    "pd_has_vnni": (_i32, []),
+    "pd_vnni_packed_size": (_i64, [_i32, _i64, _i64]),
+    "pd_vnni_pack": (_i32, [_i32, _p, _i64, _i64, _p]),
+    "pd_vnni_linear": (_i32, [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
 }
 
 
@@ -252,16 +256,20 @@ class PackedWeight:
         return self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if self.m.numel() else None
 
 
-def pack(raw: torch.Tensor, qtype: int, k: int) -> PackedWeight:
-    """Repack raw ggml blocks [N, bytes_per_row] of a [N, k] matrix."""
+def _check_raw(raw: torch.Tensor, qtype: int, k: int) -> None:
     if qtype not in SUPPORTED_QTYPES or k % 32:
         raise ValueError(f"native kernels read {sorted(SUPPORTED_QTYPES.values())} with K a multiple of 32; "
                          f"got ggml type {qtype}, K={k}")
+    row_bytes = k // 32 * {2: 18, 3: 20, 8: 34}[qtype]
+    if raw.dim() != 2 or raw.shape[1] != row_bytes or raw.dtype != torch.uint8:
+        raise ValueError(f"raw: expected [N, {row_bytes}] uint8 bytes for {SUPPORTED_QTYPES[qtype]} rows of K={k}, "
+                         f"got {raw.dtype} {list(raw.shape)}")
+
+
+def pack(raw: torch.Tensor, qtype: int, k: int) -> PackedWeight:
+    """Repack raw ggml blocks [N, bytes_per_row] of a [N, k] matrix."""
+    _check_raw(raw, qtype, k)
     n, nblocks = raw.shape[0], k // 32
-    row_bytes = nblocks * {2: 18, 3: 20, 8: 34}[qtype]
-    if raw.dim() != 2 or raw.shape[1] != row_bytes:
-        raise ValueError(f"raw: expected [N, {row_bytes}] bytes for {SUPPORTED_QTYPES[qtype]} rows of K={k}, "
-                         f"got {list(raw.shape)}")
     codes = torch.empty(n, nblocks * (32 if qtype == 8 else 16), dtype=torch.uint8)
     d = torch.empty(n, nblocks, dtype=torch.float32)
     m = torch.empty(n, nblocks, dtype=torch.float32) if qtype != 8 else torch.empty(0, dtype=torch.float32)
@@ -515,6 +523,57 @@ def bf16_tiles_linear(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None =
     if rc != PD_OK:
         raise MemoryError(f"bf16_tiles_linear: out of memory rounding {m}x{w.k} activations to bf16")
     return out.view(*lead, w.n)
+
+
+@dataclass(frozen=True)
+class VnniWeight:
+    """A ggml Q4_0 / Q4_1 / Q8_0 [N, K] matrix in csrc/vnni.c's 16-column panels, for
+    `vnni_linear`: the codes and the file's f16 scales, as many bytes as the blocks."""
+
+    qtype: int
+    n: int
+    k: int
+    panels: torch.Tensor  # uint8 [pd_vnni_packed_size]
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.numel()
+
+
+def vnni_available() -> bool:
+    """True where the library was built for a CPU with AVX512-VNNI (csrc/vnni.c)."""
+    lib = kernels()
+    return lib is not None and bool(lib.pd_has_vnni())
+
+
+def pack_vnni(raw: torch.Tensor, qtype: int, k: int) -> VnniWeight:
+    """Raw ggml blocks [N, bytes_per_row] of a [N, k] matrix in vnni.c's panel layout."""
+    _check_raw(raw, qtype, k)
+    n = raw.shape[0]
+    panels = torch.empty(kernels().pd_vnni_packed_size(qtype, n, k), dtype=torch.uint8)
+    raw = raw.contiguous()
+    if kernels().pd_vnni_pack(qtype, raw.data_ptr(), n, k, panels.data_ptr()) != PD_OK:
+        raise ValueError(f"pd_vnni_pack: ggml type {qtype} or K={k} not supported")
+    return VnniWeight(qtype, n, k, panels)
+
+
+def vnni_linear(x: torch.Tensor, w: VnniWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> float32 [M, N] on AVX512-VNNI; `out` may be a column slice
+    of a wider float32 output. Not float32-exact: each 32-value block of a row of x is
+    rounded to integers of 1/8191 of its largest value (error at most 1/16382 of it, finer
+    than bf16 above 1/32 of the block maximum), so it serves where bf16 products are allowed;
+    the products and their sums are exact per block, then summed in float32."""
+    m, k = x.shape
+    if k != w.k:
+        raise ValueError(f"x has {k} columns, the weight {w.k}")
+    out = _output(out, m, w.n)
+    rc = _lib().pd_vnni_linear(w.qtype, _ptr(x, "x", torch.float32), k, m, k, w.panels.data_ptr(), w.n,
+                               out.data_ptr(), out.stride(0))
+    if rc == PD_ENOMEM:
+        raise MemoryError(f"pd_vnni_linear: out of memory for {m}x{k} activations")
+    if rc != PD_OK:
+        raise RuntimeError("pd_vnni_linear: this build has no AVX512-VNNI (check vnni_available() first)")
+    return out
 
 
 def dequantize_rows(w: PackedWeight, ids: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,9 @@
  *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention (+ _bf16 variants,
  *                  pd_has_bf16_kv)
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear
+ *   bf16dot.c      the same tiles on AVX512-BF16 dot products: pd_has_bf16dot, pd_bf16dot_linear
+ *   vnni.c         ggml 4/8-bit weights x 14-bit integer activations on AVX512-VNNI (few rows):
+ *                  pd_has_vnni, pd_vnni_packed_size, pd_vnni_pack, pd_vnni_linear
  *   lut4.c         4-bit codebook weights (bitsandbytes NF4 / FP4): pd_linear_lut4
  *   moe.c          a MoE layer's routed float32 experts in one call: pd_moe_f32
  *
@@ -54,7 +57,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 8
+#define PD_ABI_VERSION 9
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,

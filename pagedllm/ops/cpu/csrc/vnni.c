@@ -1,0 +1,230 @@
+/* ggml 4- and 8-bit weights (Q4_0, Q4_1, Q8_0) times integer activations on AVX512-VNNI
+ * (VPDPBUSD: 64 u8 x s8 products into 16 int32 sums per instruction), for the few-row
+ * calls of decode and speculative verify steps on Zen 4 / Ice Lake and later Xeons.
+ *
+ * Why: quant.c's AVX2 kernel keeps float32 accuracy by splitting every activation into two
+ * int16 terms and sums each output's products horizontally; on a 2-core Zen 4 it ran
+ * SmolLM2's 3072 x 576 Q4_1 layer at one row in ~95 us where streaming its 1.1 MB of
+ * blocks takes ~33, and every extra row cost nearly as much again. Here the lanes of a
+ * register are 16 output columns, so one block's scale is one vector multiply for 16
+ * columns, the weight codes are unpacked once per row block, and each more row costs
+ * only its products.
+ *
+ * Numerics (what `vnni_linear` documents): each 32-value block of an activation row is
+ * scaled to integers X in [-8191, 8191] (s = block max / 8191, nearest), so the rounding
+ * error is at most 1/16382 of the block's largest value: finer than bf16 rounding for every
+ * value above 1/32 of its block's maximum. X = 128 xh + xl with xh in [-64, 63] and xl in
+ * [0, 127], two int8 operands; the products of codes and X are exact in int32, then
+ * scaled by d * s and summed over blocks in float32. Q4_0's and Q8_0's code offsets
+ * (q - 8, and q + 128 stored unsigned) are taken off in int32, exactly; Q4_1's offset m
+ * multiplies the block's float32 sum of x. A block holding NaN or infinity makes its row's
+ * outputs NaN.
+ *
+ * Weight layout (pd_vnni_pack): 16-column panels; for each 32-value block of K, the codes
+ * as 64-byte vectors whose 16 lanes are the columns and whose 4 bytes per lane are 4
+ * consecutive k (VPDPBUSD's operand against a row's 4 activations broadcast). Q4 codes
+ * pair quads l and l + 4 in one byte's low and high nibble (4 vectors per block), Q8
+ * codes are q + 128 (8 vectors). Then the block's 16 scales d and (Q4_1) offsets m as
+ * f16, as in the file. Columns past N are zero. */
+#include "pd_kernels.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
+#define PD_VNNI 1
+#else
+#define PD_VNNI 0
+#endif
+
+#define VN_MR 8 /* activation rows per register block */
+
+static int vn_code_bytes(int qtype) { return qtype == PD_Q8_0 ? 512 : 256; }
+
+/* bytes of one panel's block record: codes, d, (Q4_1) m */
+static int vn_record_bytes(int qtype) { return vn_code_bytes(qtype) + 32 + (qtype == PD_Q4_1 ? 32 : 0); }
+
+static int vn_raw_block_bytes(int qtype) {
+    switch (qtype) {
+    case PD_Q4_0: return 18;
+    case PD_Q4_1: return 20;
+    case PD_Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+int pd_has_vnni(void) { return PD_VNNI; }
+
+/* Size in bytes of pd_vnni_pack's output; 0 for a type or K it does not take. */
+int64_t pd_vnni_packed_size(int qtype, int64_t N, int64_t K) {
+    if (vn_raw_block_bytes(qtype) == 0 || K % 32 != 0 || N < 0) return 0;
+    return (N + 15) / 16 * (K / 32) * vn_record_bytes(qtype);
+}
+
+/* The code of column n, value k (0..K-1) of raw ggml rows: unsigned, as the layout stores it. */
+static inline uint8_t vn_code(int qtype, const uint8_t *raw, int64_t nblocks, int64_t n, int64_t k) {
+    const uint8_t *b = raw + (n * nblocks + k / 32) * vn_raw_block_bytes(qtype);
+    int j = (int)(k % 32);
+    if (qtype == PD_Q8_0) return (uint8_t)((int)(int8_t)b[2 + j] + 128);
+    const uint8_t *qs = b + (qtype == PD_Q4_1 ? 4 : 2);
+    return j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
+}
+
+/* raw ggml rows [N][K/32 blocks] -> the panel layout above (pd_vnni_packed_size bytes). */
+int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
+    int bb = vn_raw_block_bytes(qtype);
+    if (bb == 0 || K % 32 != 0) return PD_EINVAL;
+    int64_t nblocks = K / 32, panels = (N + 15) / 16, rec = vn_record_bytes(qtype), cb = vn_code_bytes(qtype);
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t blk = 0; blk < nblocks; blk++) {
+            uint8_t *r = out + (p * nblocks + blk) * rec;
+            memset(r, 0, (size_t)rec);
+            for (int c = 0; c < 16; c++) {
+                int64_t n = 16 * p + c;
+                if (n >= N) break;
+                for (int t = 0; t < 4; t++) {
+                    if (qtype == PD_Q8_0) {
+                        for (int l = 0; l < 8; l++) r[l * 64 + c * 4 + t] = vn_code(qtype, raw, nblocks, n, 32 * blk + 4 * l + t);
+                    } else {
+                        for (int l = 0; l < 4; l++)
+                            r[l * 64 + c * 4 + t] = (uint8_t)(vn_code(qtype, raw, nblocks, n, 32 * blk + 4 * l + t) |
+                                                              vn_code(qtype, raw, nblocks, n, 32 * blk + 4 * (l + 4) + t) << 4);
+                    }
+                }
+                const uint8_t *b = raw + (n * nblocks + blk) * bb;
+                memcpy(r + cb + 2 * c, b, 2); /* d */
+                if (qtype == PD_Q4_1) memcpy(r + cb + 32 + 2 * c, b + 2, 2); /* m */
+            }
+        }
+    }
+    return PD_OK;
+}
+
+#if PD_VNNI
+/* One row's blocks as int8 xh, xl [K] each, a float scale s per block, the block's float32
+ * sum (Q4_1's offset term) and offset * sum(X) (Q4_0 / Q8_0's, taken off the int32 dot). */
+static void vn_quantize_row(const float *x, int64_t K, int offset, int8_t *xh, int8_t *xl, float *s, float *xsum,
+                            int32_t *xoff) {
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i low7 = _mm512_set1_epi32(127);
+    for (int64_t blk = 0; blk < K / 32; blk++) {
+        __m512 a = _mm512_loadu_ps(x + 32 * blk), b = _mm512_loadu_ps(x + 32 * blk + 16);
+        __mmask16 bad = _mm512_fpclass_ps_mask(a, 0x99) | _mm512_fpclass_ps_mask(b, 0x99); /* NaN, +-inf */
+        float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
+        xsum[blk] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+        float inv = mx > 0.0f ? 8191.0f / mx : 0.0f;
+        s[blk] = bad ? NAN : mx / 8191.0f;
+        __m512 vinv = _mm512_set1_ps(bad ? 0.0f : inv);
+        __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vinv));
+        xoff[blk] = offset * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        _mm_storeu_si128((__m128i *)(xh + 32 * blk), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qa, 7)));
+        _mm_storeu_si128((__m128i *)(xh + 32 * blk + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qb, 7)));
+        _mm_storeu_si128((__m128i *)(xl + 32 * blk), _mm512_cvtepi32_epi8(_mm512_and_si512(qa, low7)));
+        _mm_storeu_si128((__m128i *)(xl + 32 * blk + 16), _mm512_cvtepi32_epi8(_mm512_and_si512(qb, low7)));
+    }
+}
+
+/* Scratch per activation row: xh, xl (K each), then per block s, xsum, xoff. */
+static inline int64_t vn_row_bytes(int64_t K) { return 2 * K + 12 * (K / 32); }
+
+/* y[m0 .. m0 + mr, columns 16 p ..] for one panel; mr is a constant at every call site,
+ * so the 3 mr accumulators stay in registers. */
+static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, const uint8_t *panel, int64_t nblocks,
+                                                           const uint8_t *xq, int64_t K, int64_t m0, int64_t c0,
+                                                           __mmask16 mask, float *y, int64_t ldy) {
+    const int64_t rb = vn_row_bytes(K), rec = vn_record_bytes(qtype), cb = vn_code_bytes(qtype);
+    const __m512i nib = _mm512_set1_epi8(0x0F);
+    __m512 acc[VN_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const uint8_t *r = panel + blk * rec;
+        __m512i ih[VN_MR], il[VN_MR];
+        for (int i = 0; i < mr; i++) ih[i] = il[i] = _mm512_setzero_si512();
+        for (int l = 0; l < (qtype == PD_Q8_0 ? 8 : 4); l++) {
+            __m512i v = _mm512_loadu_si512((const void *)(r + 64 * l)), w0, w1 = v;
+            if (qtype == PD_Q8_0) {
+                w0 = v;
+            } else {
+                w0 = _mm512_and_si512(v, nib);
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+            }
+            for (int i = 0; i < mr; i++) {
+                const int8_t *xh = (const int8_t *)(xq + (m0 + i) * rb), *xl = xh + K;
+                int64_t k0 = 32 * blk + 4 * l;
+                ih[i] = _mm512_dpbusd_epi32(ih[i], w0, _mm512_set1_epi32(*(const int32_t *)(xh + k0)));
+                il[i] = _mm512_dpbusd_epi32(il[i], w0, _mm512_set1_epi32(*(const int32_t *)(xl + k0)));
+                if (qtype != PD_Q8_0) {
+                    ih[i] = _mm512_dpbusd_epi32(ih[i], w1, _mm512_set1_epi32(*(const int32_t *)(xh + k0 + 16)));
+                    il[i] = _mm512_dpbusd_epi32(il[i], w1, _mm512_set1_epi32(*(const int32_t *)(xl + k0 + 16)));
+                }
+            }
+        }
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb)));
+        __m512 mv = qtype == PD_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb + 32)))
+                                     : _mm512_setzero_ps();
+        for (int i = 0; i < mr; i++) {
+            const uint8_t *row = xq + (m0 + i) * rb + 2 * K;
+            const float *s = (const float *)row, *xsum = s + nblocks;
+            const int32_t *xoff = (const int32_t *)(xsum + nblocks);
+            __m512i dotq = _mm512_add_epi32(_mm512_slli_epi32(ih[i], 7), il[i]);
+            if (qtype != PD_Q4_1) dotq = _mm512_sub_epi32(dotq, _mm512_set1_epi32(xoff[blk]));
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dotq), _mm512_mul_ps(d, _mm512_set1_ps(s[blk])), acc[i]);
+            if (qtype == PD_Q4_1) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[blk]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (m0 + i) * ldy + c0, mask, acc[i]);
+}
+
+#define VN_ROWS(q)                                                                   \
+    switch (mr) {                                                                    \
+    case 8: vn_block(q, 8, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
+    case 7: vn_block(q, 7, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
+    case 6: vn_block(q, 6, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
+    case 5: vn_block(q, 5, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
+    case 4: vn_block(q, 4, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
+    case 3: vn_block(q, 3, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
+    case 2: vn_block(q, 2, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
+    default: vn_block(q, 1, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;    \
+    }
+#endif
+
+/* y[M, N] (row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T, W from pd_vnni_pack.
+ * PD_EINVAL for a type or K it does not take or a build without AVX512-VNNI; PD_ENOMEM when
+ * the activations' scratch cannot be allocated. */
+int pd_vnni_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
+                   float *y, int64_t ldy) {
+#if PD_VNNI
+    if (vn_raw_block_bytes(qtype) == 0 || K % 32 != 0) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    int64_t nblocks = K / 32, rb = vn_row_bytes(K), panels = (N + 15) / 16, rec = vn_record_bytes(qtype);
+    uint8_t *xq = (uint8_t *)aligned_alloc(64, (size_t)((M * rb + 63) / 64 * 64));
+    if (xq == NULL) return PD_ENOMEM;
+    int offset = qtype == PD_Q4_0 ? 8 : qtype == PD_Q8_0 ? 128 : 0;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        uint8_t *row = xq + m * rb;
+        float *s = (float *)(row + 2 * K);
+        vn_quantize_row(x + m * ldx, K, offset, (int8_t *)row, (int8_t *)row + K, s, s + nblocks,
+                        (int32_t *)(s + 2 * nblocks));
+    }
+#pragma omp parallel for schedule(static) if (M * N * K >= 262144)
+    for (int64_t p = 0; p < panels; p++) {
+        const uint8_t *panel = wp + p * nblocks * rec;
+        int64_t c0 = 16 * p, cols = N - c0 < 16 ? N - c0 : 16;
+        __mmask16 mask = (__mmask16)((1u << cols) - 1u);
+        for (int64_t m0 = 0; m0 < M; m0 += VN_MR) {
+            int mr = M - m0 < VN_MR ? (int)(M - m0) : VN_MR;
+            if (qtype == PD_Q4_0) {
+                VN_ROWS(PD_Q4_0)
+            } else if (qtype == PD_Q4_1) {
+                VN_ROWS(PD_Q4_1)
+            } else {
+                VN_ROWS(PD_Q8_0)
+            }
+        }
+    }
+    free(xq);
+    return PD_OK;
+#else
+    (void)qtype, (void)x, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)y, (void)ldy;
+    return PD_EINVAL;
+#endif
+}

@@ -1,0 +1,138 @@
+"""The AVX512-VNNI kernel for ggml weights (csrc/vnni.c) through native.pack_vnni /
+vnni_linear, against float64 matmuls on the dequantized weights, within the error its
+numerics allow: each 32-value block of an activation row is rounded to integers of
+1/8191 of its largest value (at most half a step, 1/16382 of the maximum, per value), the
+rest is exact integer arithmetic and float32 sums."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedllm.ops.cpu import native
+from pagedllm.plugins.quant import gguf_dequant
+from pagedllm.plugins.quant.gguf_file import Q4_0, Q4_1, Q8_0
+
+from kernel_checks import assert_close_to, require_native
+from tests._ggml_blocks import BLOCK_BYTES, random_blocks
+
+require_native()
+needs_vnni = pytest.mark.skipif(not native.vnni_available(), reason="this CPU has no AVX512-VNNI")
+
+QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+
+
+def _expected(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x @ W^T in float64, and the bound: the activation rounding (1/16382 of each block's
+    largest |x| times that block's sum of |w|), plus float32 summation."""
+    n, k = raw.shape[0], x.shape[1]
+    w = gguf_dequant.dequantize(raw, qtype, (n, k)).double()
+    xd = x.double()
+    block_max = xd.abs().view(-1, k // 32, 32).amax(-1)  # [M, K/32]
+    w_block = w.abs().view(n, k // 32, 32).sum(-1)  # [N, K/32]
+    bound = 1.001 * (block_max / 16382) @ w_block.T + 2e-6 * (xd.abs() @ w.abs().T) + 1e-30
+    return xd @ w.T, bound
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 32), (3, 40, 64), (8, 33, 96), (9, 576, 576), (17, 100, 96),
+                                          (2, 1, 32), (64, 48, 160)])
+def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k):
+    """Edges: columns not a multiple of the 16-column panel, rows not of the 8-row block,
+    one-column and one-block weights."""
+    qtype = QTYPES[name]
+    gen = torch.Generator().manual_seed(qtype * 1000 + m * 100 + n + k)
+    raw = random_blocks(qtype, n, k, gen)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).expand(m, k // 32, 32).reshape(m, k)
+    w = native.pack_vnni(raw, qtype, k)
+    assert w.nbytes == (n + 15) // 16 * 16 * k // 32 * BLOCK_BYTES[qtype], "the panels are not the file's bytes"
+    got = native.vnni_linear(x, w)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    expected, bound = _expected(x, raw, qtype)
+    assert_close_to(got, expected, bound, f"{name} M={m} N={n} K={k}")
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", QTYPES)
+def test_vnni_linear_is_much_closer_than_bf16_activations(name):
+    """The point of 13-bit block integers: on smooth activations the error is well below what
+    rounding x to bf16 alone gives."""
+    qtype = QTYPES[name]
+    gen = torch.Generator().manual_seed(5)
+    raw = random_blocks(qtype, 64, 256, gen)
+    x = torch.randn(4, 256, generator=gen)
+    expected, _ = _expected(x, raw, qtype)
+    vnni_err = (native.vnni_linear(x, native.pack_vnni(raw, qtype, 256)).double() - expected).abs().mean()
+    bf16_err = (_expected(x.bfloat16().float(), raw, qtype)[0] - expected).abs().mean()
+    assert vnni_err < 0.25 * bf16_err, f"{name}: mean error {vnni_err:.3g} vs bf16 activations' {bf16_err:.3g}"
+
+
+@needs_vnni
+def test_vnni_linear_writes_a_column_slice_and_nothing_else():
+    gen = torch.Generator().manual_seed(3)
+    raw = random_blocks(Q4_1, 24, 64, gen)
+    x = torch.randn(5, 64, generator=gen)
+    out = torch.full((5, 40), 7.0)
+    w = native.pack_vnni(raw, Q4_1, 64)
+    native.vnni_linear(x, w, out[:, 10:34])
+    assert torch.equal(out[:, 10:34], native.vnni_linear(x, w)), "a column slice got other values than a whole output"
+    assert (out[:, :10] == 7).all() and (out[:, 34:] == 7).all(), "columns outside the slice were written"
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", QTYPES)
+def test_vnni_linear_keeps_nan_inf_and_zero_rows_apart(name):
+    """A NaN or infinity in one row's block makes that row NaN and leaves the others as they
+    were; an all-zero row gives zeros (its block scales are 0, not 0/0)."""
+    qtype = QTYPES[name]
+    gen = torch.Generator().manual_seed(11)
+    raw = random_blocks(qtype, 20, 96, gen)
+    w = native.pack_vnni(raw, qtype, 96)
+    x = torch.randn(6, 96, generator=gen)
+    clean = native.vnni_linear(x, w)
+    x[1, 40], x[3, 95] = float("nan"), float("inf")
+    x[4] = 0
+    got = native.vnni_linear(x, w)
+    assert got[[1, 3]].isnan().all(), f"{name}: a non-finite activation did not poison its row"
+    assert torch.equal(got[[0, 2, 5]], clean[[0, 2, 5]]), f"{name}: a non-finite row changed other rows"
+    assert torch.equal(got[4], torch.zeros(20)), f"{name}: an all-zero row is not zero"
+
+
+@needs_vnni
+def test_vnni_linear_refuses_bad_operands():
+    raw = random_blocks(Q8_0, 16, 64, torch.Generator().manual_seed(0))
+    w = native.pack_vnni(raw, Q8_0, 64)
+    with pytest.raises(ValueError, match="columns"):
+        native.vnni_linear(torch.randn(2, 32), w)
+    with pytest.raises(ValueError, match="contiguous"):
+        native.vnni_linear(torch.randn(64, 2).T, w)
+    with pytest.raises(ValueError, match="float32"):
+        native.vnni_linear(torch.randn(2, 64, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match=r"float32 \[2, 16\]"):
+        native.vnni_linear(torch.randn(2, 64), w, torch.empty(2, 15))
+
+
+def test_pack_vnni_refuses_what_it_cannot_read():
+    raw = random_blocks(Q4_0, 4, 64, torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        native.pack_vnni(raw, Q4_0, 48)
+    with pytest.raises(ValueError, match=r"\[N, 36\] uint8"):
+        native.pack_vnni(raw[:, :30], Q4_0, 64)
+    with pytest.raises(ValueError, match="uint8"):
+        native.pack_vnni(raw.to(torch.int16), Q4_0, 64)
+    with pytest.raises(ValueError, match="ggml type 12"):
+        native.pack_vnni(raw, 12, 64)  # Q4_K
+
+
+def test_builds_without_vnni_say_so(portable_lib, monkeypatch):
+    """A build for a CPU without AVX512-VNNI packs (the layout is plain C) but refuses to
+    multiply, and `vnni_available()` says so before anyone tries."""
+    if portable_lib.pd_has_vnni():
+        pytest.skip("this compiler targets AVX512-VNNI by default")
+    monkeypatch.setattr(native, "kernels", lambda: portable_lib)
+    assert not native.vnni_available()
+    raw = random_blocks(Q4_1, 16, 32, torch.Generator().manual_seed(0))
+    w = native.pack_vnni(raw, Q4_1, 32)
+    with pytest.raises(RuntimeError, match="no AVX512-VNNI"):
+        native.vnni_linear(torch.randn(1, 32), w)
