@@ -48,6 +48,10 @@ class Int4Weight:
         self.scales_zeros = torch.stack((d.view(n, groups).t(), zero.view(n, groups).t()), dim=-1) \
             .to(torch.bfloat16).contiguous()  # [K / GROUP, N, 2]
 
+    def tensors(self) -> list[torch.Tensor]:
+        """What it holds, for the layer to register (memory accounting)."""
+        return [self.packed, self.scales_zeros]
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.k).to(torch.bfloat16), self.packed, GROUP,
                                                  self.scales_zeros)

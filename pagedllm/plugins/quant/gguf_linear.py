@@ -28,7 +28,7 @@ from torch import nn
 from pagedllm import ops
 from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, MoEMethod, QuantConfig
 from pagedllm.ops.cpu import crossover, dense as dense_kernels, native
-from pagedllm.plugins.quant import gguf_int4
+from pagedllm.plugins.quant import gguf_int4, gguf_vnni
 from pagedllm.plugins.quant.gguf_dequant import dequantize
 from pagedllm.plugins.quant.gguf_file import check_supported, type_name
 
@@ -80,24 +80,57 @@ def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.devi
 
 
 def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
-    """Whether this call multiplies from the repacked blocks: always without a dense copy
-    (they are all there is: activations of another dtype go through float32), else for
-    float32 batches below `layer.gguf_native_below` rows."""
-    if not layer.gguf_packed:
+    """Whether this call multiplies from the blocks (the native kernel's repacking, or the
+    small-batch kernel that beat it): always without a dense copy (they are all there is:
+    activations of another dtype go through float32), else for float32 batches below
+    `layer.gguf_native_below` rows."""
+    if not layer.gguf_packed and layer.gguf_small is None:
         return False
     return not layer.gguf_has_dense or (x.dtype == torch.float32 and rows < layer.gguf_native_below)
 
 
-def _int4_small_rows(raw: torch.Tensor, qtype: int | None, k: int, what: str, native_fn):
-    """torch's int4 kernel for the batches below the dense crossover where it beats the
-    native one at one row (measured), else None. Only where bf16 products are allowed
-    (its activations are bf16)."""
-    if qtype not in gguf_int4.QTYPES or not dense_kernels.bf16_products_allowed() or not gguf_int4.available():
+def _vnni_candidate(groups: Sequence[tuple[int, torch.Tensor]], k: int):
+    if not gguf_vnni.available() or any(q not in native.SUPPORTED_QTYPES for q, _ in groups):
         return None
-    weight = gguf_int4.Int4Weight(raw, qtype, k)
-    if crossover.rows_from(what, native_fn, weight, k) > 1:
+    return gguf_vnni.VnniLinear(groups, k)
+
+
+def _int4_candidate(groups: Sequence[tuple[int, torch.Tensor]], k: int):
+    if len(groups) != 1 or groups[0][0] not in gguf_int4.QTYPES or not gguf_int4.available():
         return None
-    return weight
+    return gguf_int4.Int4Weight(groups[0][1], groups[0][0], k)
+
+
+# Tried in order against the kernel chosen so far; each reads the blocks at bf16-level
+# accuracy (its activations are rounded), so only under "medium" matmul precision.
+_SMALL_CANDIDATES = (_vnni_candidate, _int4_candidate)
+
+
+def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch.Tensor]], k: int, native_fn):
+    """The kernel for batches below the dense crossover: `native_fn` (the float32-exact
+    native kernel), unless a candidate beat the kernel chosen so far from one row on
+    (measured: on a Zen 4, VNNI; on a Sapphire Rapids, torch's int4 kernel). Returns the
+    kernel and its name (for crossover keys and the log)."""
+    best, name = native_fn, "native"
+    if not dense_kernels.bf16_products_allowed():
+        return best, name
+    for make in _SMALL_CANDIDATES:
+        candidate = make(groups, k)
+        if candidate is not None and crossover.rows_from(f"gguf-{types}|{name}|{candidate.kind}|{shape}",
+                                                         best, candidate, k) <= 1:
+            best, name = candidate, candidate.kind
+    return best, name
+
+
+def _keep_small_kernel(layer: nn.Module, kernel, name: str) -> None:
+    """`kernel` (not the native one) serves the small batches: the native repacking goes
+    and the kernel's tensors become the layer's parameters in its place."""
+    for param in [p for p in layer._parameters if p.startswith("qweight")]:
+        delattr(layer, param)
+    layer.gguf_packed = []
+    layer.gguf_small = kernel
+    for i, tensor in enumerate(kernel.tensors()):
+        layer.register_parameter(f"qweight_{name}_{i}", nn.Parameter(tensor, requires_grad=False))
 
 
 def _measure_native_below(what: str, native_fn, dense_fn, k: int) -> int:
@@ -132,7 +165,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_dense = None  # ops.pack_linear of the dense copy
         layer.gguf_native_below = 0  # batches of fewer rows read the blocks (with a dense copy)
         layer.gguf_gemm_from = crossover.NEVER  # keep-quantized: rows from which the blocks run as a GEMM
-        layer.gguf_int4 = None  # torch's int4 kernel, where it beat the native one for single rows
+        layer.gguf_small = None  # the VNNI or int4 kernel, where one beat the native one for single rows
 
     @staticmethod
     def _load_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -161,9 +194,10 @@ class GGUFLinearMethod(LinearMethod):
         del layer.weight
         layer.gguf_shards = []
         native_ok = _native_ok([q for q, _ in groups], layer.gguf_input_size, device)
-        dense, row = [], 0
+        dense, blocks, row = [], [], 0
         for i, (qtype, parts) in enumerate(groups):
             data = parts[0] if len(parts) == 1 else torch.cat(parts)
+            blocks.append((qtype, data))
             rows = data.shape[0]
             if self.keep_dense:
                 dense.append(data if qtype is None else _dequantize(data, qtype, layer.gguf_input_size))
@@ -192,13 +226,12 @@ class GGUFLinearMethod(LinearMethod):
         if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
             types = "+".join(type_name(q).lower() for q, _ in groups)
             shape = f"{row}x{layer.gguf_input_size}"
-            native_fn = functools.partial(_native_linear, layer)
-            if len(groups) == 1:  # `data`: that one group's blocks
-                layer.gguf_int4 = _int4_small_rows(data, groups[0][0], layer.gguf_input_size,
-                                                   f"gguf-{types}|native|int4pack|{shape}", native_fn)
-            small = "int4pack|" if layer.gguf_int4 is not None else ""
+            small, name = _small_rows_kernel(types, shape, blocks, layer.gguf_input_size,
+                                             functools.partial(_native_linear, layer))
+            if name != "native":
+                _keep_small_kernel(layer, small, name)
             layer.gguf_native_below = _measure_native_below(
-                f"gguf-{types}|{small}{layer.gguf_dense.kind}|{shape}", layer.gguf_int4 or native_fn,
+                f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_dense.kind}|{shape}", small,
                 layer.gguf_dense, layer.gguf_input_size)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -206,7 +239,7 @@ class GGUFLinearMethod(LinearMethod):
         if _takes_native(layer, x, rows):
             x2 = x.reshape(rows, layer.gguf_input_size).float()  # the kernels take float32 activations
             # with a dense copy, the blocks serve only batches below the measured crossover
-            out = layer.gguf_int4(x2) if layer.gguf_int4 is not None else _native_linear(layer, x2)
+            out = layer.gguf_small(x2) if layer.gguf_small is not None else _native_linear(layer, x2)
             if bias is not None:
                 out += bias
             return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
@@ -268,6 +301,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         layer.gguf_has_dense = True
         layer.gguf_head = None  # ops.pack_linear of the dense copy, for logits
         layer.gguf_native_below = 0  # logits of fewer rows come from the blocks (with a dense copy)
+        layer.gguf_small = None  # the VNNI kernel, where it beat the native one for single rows
 
     @staticmethod
     def _load(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -300,9 +334,14 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
                                         requires_grad=False)
             layer.gguf_head = ops.pack_linear(layer.weight)  # for logits; lookups read the plain copy
             if layer.gguf_packed is not None and layer.gguf_params_dtype == torch.float32:
-                what = f"gguf-{type_name(qtype).lower()}|{layer.gguf_head.kind}|{layer.gguf_shape[0]}x{hidden}"
+                types, shape = type_name(qtype).lower(), f"{layer.gguf_shape[0]}x{hidden}"
+                small, name = _small_rows_kernel(types, shape, [(qtype, raw)], hidden,
+                                                 functools.partial(native.linear, w=layer.gguf_packed))
+                if name != "native":
+                    _keep_small_kernel(layer, small, name)
                 layer.gguf_native_below = _measure_native_below(
-                    what, functools.partial(native.linear, w=layer.gguf_packed), layer.gguf_head, hidden)
+                    f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_head.kind}|{shape}",
+                    small, layer.gguf_head, hidden)
         else:
             del layer.weight
             layer.gguf_has_dense = False
@@ -323,7 +362,9 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         rows = x.numel() // layer.gguf_shape[1]
         packed = layer.gguf_packed
         if _takes_native(layer, x, rows):  # float32 activations for the kernels
-            return native.linear(x.reshape(rows, -1).float().contiguous(), packed).to(x.dtype)
+            x2 = x.reshape(rows, -1).float().contiguous()
+            out = layer.gguf_small(x2) if layer.gguf_small is not None else native.linear(x2, packed)
+            return out.to(x.dtype)
         if layer.gguf_head is not None:
             return layer.gguf_head(x, None)
         # keep-quantized blocks the native kernels cannot read: dequantize for this call

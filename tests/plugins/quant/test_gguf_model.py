@@ -85,7 +85,8 @@ def test_smollm2_greedy_parity_with_transformers(smollm2_path, chat_prompts, gre
 
 
 # `--dtype auto` on a CPU with native bf16: float32 activations, bf16 products in the
-# GEMMs (core/precision.py; torch's int4 kernel for the smallest batches where it wins).
+# GEMMs (core/precision.py; the VNNI or torch's int4 kernel for the smallest batches where
+# one wins).
 # Measured on a Xeon with AMX against transformers in float32: with oneDNN's bf16 GEMM and a
 # float32 KV cache, 6 of the 8 chats (7 with the int4 kernel) gave the same 32 greedy
 # tokens, teacher-forced logprobs of our tokens within 0.08 (against transformers' own bf16
@@ -111,12 +112,14 @@ def test_smollm2_dtype_auto_bf16_products_stay_close_to_transformers(smollm2_pat
     packed = [getattr(m, name) for m in worker.model.modules() for name in ("gguf_dense", "gguf_head")
               if getattr(m, name, None) is not None]
     uses_bf16 = any("bf16" in p.kind for p in packed)
+    # the small-batch kernels (VNNI: int8 activations; int4: bf16 ones) round activations too
+    small = {m.gguf_small.kind for m in worker.model.modules() if getattr(m, "gguf_small", None) is not None}
     cpu = features.detect()
     if not cpu.native_bf16:
         assert not uses_bf16, "bf16 products where the CPU only emulates bf16"
     if cpu.has("amx_bf16"):  # AMX measured 2-7x the float32 GEMM at every row count
         assert "bf16" in gate_up.gguf_dense.kind, f"no bf16 copy on an AMX CPU: {gate_up.gguf_dense.kind}"
-    if not uses_bf16:  # no native bf16, or bf16 never measured faster here: float32 throughout
+    if not uses_bf16 and not small:  # nothing measured faster than float32 here: float32 throughout
         assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in greedy_outputs]
         return
     model = AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path),
@@ -135,6 +138,14 @@ def test_smollm2_dtype_auto_bf16_products_stay_close_to_transformers(smollm2_pat
         worst = (ours - expected).abs().max().item()
         assert worst <= MEDIUM_LOGPROB_ATOL, f"chat {i}: logprob off by {worst:.3f} from transformers float32"
     assert equal >= MEDIUM_MIN_EQUAL_CHATS, f"only {equal} of {len(CHATS)} chats kept transformers' greedy tokens"
+
+
+def test_smollm2_float32_never_takes_a_rounding_kernel(smollm2_llm) -> None:
+    modules = list(smollm2_llm.engine.worker.model.modules())
+    small = [m.gguf_small.kind for m in modules if getattr(m, "gguf_small", None) is not None]
+    assert not small, f"--dtype float32 took small-batch kernels that round activations: {small}"
+    kinds = [m.gguf_dense.kind for m in modules if getattr(m, "gguf_dense", None) is not None]
+    assert kinds and not any("bf16" in k for k in kinds), f"--dtype float32 took bf16 GEMMs: {kinds}"
 
 
 def test_smollm2_knows_paris(smollm2_llm) -> None:
