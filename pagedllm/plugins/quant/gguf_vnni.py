@@ -3,7 +3,7 @@ speculative verify steps on CPUs with AVX512-VNNI.
 
 The native float32-exact kernel (quant.c) splits every activation into two int16 terms
 and costs nearly as much per extra row as for the first; VNNI's u8 x s8 dot products on
-13-bit block integers make one row 3-4x cheaper on a Zen 4 and each more row cheaper
+block integers in [-8191, 8191] make one row 3-4x cheaper on a Zen 4 and each more row cheaper
 still (SmolLM2's 3072 x 576 Q4_1 layer, 2 threads, weights from memory: ~100 us at 1 row
 against ~145, ~190 at 8 rows against ~385). The activations are rounded, so this serves
 only where bf16 products are allowed ("medium" float32 matmul precision), and only where

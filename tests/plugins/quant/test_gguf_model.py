@@ -84,6 +84,12 @@ def test_smollm2_greedy_parity_with_transformers(smollm2_path, chat_prompts, gre
     assert len({tuple(o.outputs[0].token_ids) for o in greedy_outputs}) == len(CHATS)
 
 
+def _small_batch_kernels(model) -> set[str]:
+    """The kinds of the small-batch kernels the layers took in place of the native one; they
+    round activations (VNNI: to 14-bit block integers; int4: to bf16)."""
+    return {m.gguf_small.kind for m in model.modules() if getattr(m, "gguf_small", None) is not None}
+
+
 # `--dtype auto` on a CPU with native bf16: float32 activations, bf16 products in the
 # GEMMs (core/precision.py; the VNNI or torch's int4 kernel for the smallest batches where
 # one wins).
@@ -112,8 +118,7 @@ def test_smollm2_dtype_auto_bf16_products_stay_close_to_transformers(smollm2_pat
     packed = [getattr(m, name) for m in worker.model.modules() for name in ("gguf_dense", "gguf_head")
               if getattr(m, name, None) is not None]
     uses_bf16 = any("bf16" in p.kind for p in packed)
-    # the small-batch kernels (VNNI: int8 activations; int4: bf16 ones) round activations too
-    small = {m.gguf_small.kind for m in worker.model.modules() if getattr(m, "gguf_small", None) is not None}
+    small = _small_batch_kernels(worker.model)
     cpu = features.detect()
     if not cpu.native_bf16:
         assert not uses_bf16, "bf16 products where the CPU only emulates bf16"
@@ -141,10 +146,10 @@ def test_smollm2_dtype_auto_bf16_products_stay_close_to_transformers(smollm2_pat
 
 
 def test_smollm2_float32_never_takes_a_rounding_kernel(smollm2_llm) -> None:
-    modules = list(smollm2_llm.engine.worker.model.modules())
-    small = [m.gguf_small.kind for m in modules if getattr(m, "gguf_small", None) is not None]
+    model = smollm2_llm.engine.worker.model
+    small = _small_batch_kernels(model)
     assert not small, f"--dtype float32 took small-batch kernels that round activations: {small}"
-    kinds = [m.gguf_dense.kind for m in modules if getattr(m, "gguf_dense", None) is not None]
+    kinds = [m.gguf_dense.kind for m in model.modules() if getattr(m, "gguf_dense", None) is not None]
     assert kinds and not any("bf16" in k for k in kinds), f"--dtype float32 took bf16 GEMMs: {kinds}"
 
 
