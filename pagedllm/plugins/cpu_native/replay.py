@@ -53,6 +53,12 @@ VIEW_OPS = frozenset({
     "permute", "expand", "view_as", "select", "detach", "unbind", "flatten",
 })
 ALLOC_OPS = frozenset({"empty", "empty_like", "new_empty"})
+# conversions that return their input itself when it already has the asked-for dtype and
+# device (`.float()` of float32 activations before a kernel, `.to(x.dtype)` after one):
+# then nothing was computed, and replaying them would only cost time (SmolLM2's 1-row
+# decode step made 300 such calls, ~0.5 ms of a 4 ms step) and push the graph into the
+# slower copy-the-inputs replay. Not every op returning its input qualifies: `add_` does too.
+CONVERSION_OPS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as", "cpu"})
 
 # Recorded steps of at most this many rows; graphs kept at once hold at most this many
 # bytes of intermediate tensors (least recently used graphs are dropped first).
@@ -89,6 +95,8 @@ class _Watch(TorchFunctionMode):
         out = func(*args, **kwargs)
         name = getattr(func, "__name__", repr(func))
         if name in QUERY_OPS:
+            return out
+        if name in CONVERSION_OPS and args and out is args[0]:
             return out
         if name in ALLOC_OPS and "out" not in kwargs:
             self.allocated += out.untyped_storage().nbytes()

@@ -77,6 +77,22 @@ def test_first_forward_of_a_shape_is_a_warm_up_not_a_recording(tiny_model_dir, r
     assert replays["n"] == 4, f"{replays['n']} replays of 6 steps (expected: a warm-up, a recording, 4 replays)"
 
 
+def test_conversions_that_return_their_input_are_not_replayed(tiny_model_dir, tmp_path, replays):
+    """A GGUF layer hands its kernels `x.float()` and returns `out.to(x.dtype)`: on float32
+    activations both return their input, compute nothing, and must not be recorded as torch
+    ops (they made SmolLM2's decode graphs replay 300 no-op calls per step)."""
+    from tests.plugins.quant.test_gguf_model import TINY_PROMPTS, T, _greedy, _tiny_llm, write_gguf
+
+    hf_dir = tiny_model_dir("llama")
+    llm = _tiny_llm(write_gguf(hf_dir, tmp_path / "tiny-q8.gguf", "llama", linear_type=T.Q8_0), hf_dir)
+    _greedy(llm, TINY_PROMPTS)
+    graphs = [g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None]
+    assert graphs and all(g.verified for g in graphs), "the GGUF model's decode steps were not recorded"
+    assert all(not g.ops for g in graphs), \
+        f"no-op conversions were recorded as torch ops: {sorted({f.__name__ for g in graphs for _, f, *_ in g.ops})}"
+    assert replays["n"] > 0
+
+
 def test_forward_with_torch_ops_is_replayed_too(tiny_model_dir, replays):
     """Qwen3 normalises q and k per head with torch ops between kernels: those calls are
     recorded in order with the kernels and run again on replay, with the same result."""
