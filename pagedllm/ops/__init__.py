@@ -87,6 +87,9 @@ class PackedLinear(Protocol):
     owns_copy: bool
     # names the layout and product dtype (logs, crossover cache keys), e.g. "f32", "amx-bf16"
     kind: str
+    # bytes of weight one call reads (the smaller layout where it holds two): how many
+    # copies a crossover timing streams through (pagedllm/ops/cpu/crossover.py)
+    nbytes: int
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype."""
@@ -98,6 +101,7 @@ class _TorchLinear:
 
     def __init__(self, weight: torch.Tensor) -> None:
         self.weight = weight
+        self.nbytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)

@@ -8,6 +8,16 @@ weight in two layouts ask `rows_from` once per layer shape, at load, instead of 
 fixed threshold. Results are cached in memory and on disk
 (`$PAGEDLLM_CACHE_DIR/crossovers.json`, keyed by CPU model, flags and threads), so later
 start-ups skip the timing and pick the same paths.
+
+Each kernel is timed as a model step meets it: a step streams one layer's weight after
+another from memory, so a call's weight is not in cache, but the memory system is already
+streaming and the threads are awake. Timing one weight after evicting the caches (writing
+twice the last-level cache) did not reproduce that: on a 2-core Zen 5, SmolLM2's 960 x 576
+Q4_1 layer took ~130 us per 1-row call after an eviction against ~15-20 us streamed (and
+25-30 us after merely sleeping 2 ms), which buried the kernels' differences in noise and
+chose torch's int4 kernel where VNNI was 1.5x faster in the step. So each side is a
+`Contender` that can build copies of itself on its own copies of the weight, and a timing
+calls a ring of copies holding twice the last-level cache together.
 """
 
 from __future__ import annotations
@@ -19,8 +29,9 @@ import logging
 import os
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Union
 
 import torch
 
@@ -37,15 +48,24 @@ _memo: dict[str, int] = {}
 
 Kernel = Callable[[torch.Tensor], torch.Tensor]
 
+# A ring never holds more copies than this (a tiny test model's weights stay cached then,
+# which costs nothing that matters).
+MAX_COPIES = 256
 
-# Bytes written between timed calls so a layer's weight is measured as a step meets it,
-# from memory (a model's layers stream through the caches, each once per step): timed
-# hot, a bf16 weight 4x the bytes of the 4-bit one measured faster at one row on a 2-core
-# Sapphire Rapids and ran single-stream decode 20% slower. At least this much, and twice
-# the last-level cache where that is larger: on a Zen 4 with 32 MiB of L3, 16 MiB left
-# SmolLM2's bf16 weights in L3, the bf16 GEMM won at one row, and single-stream decode
-# ran at 0.64x.
-EVICT_BYTES = 16 << 20
+
+@dataclass(frozen=True)
+class Contender:
+    """One side of a crossover. `kernel` is the one that will serve; `copy()` builds another
+    like it on its own copy of the weight (None for a kernel that reads no weight, e.g. in
+    tests); `nbytes` is what one call reads of its weight, which sets how many copies make
+    a ring of twice the last-level cache."""
+
+    kernel: Kernel
+    copy: Callable[[], Kernel] | None = None
+    nbytes: int = 0
+
+
+Side = Union[Contender, Kernel]
 
 
 @functools.lru_cache(maxsize=1)
@@ -64,36 +84,45 @@ def last_level_cache_bytes() -> int:
     return best
 
 
-def evict_bytes() -> int:
-    return max(EVICT_BYTES, 2 * last_level_cache_bytes())
+def ring_bytes() -> int:
+    """Bytes of weight a timing ring streams through: twice the last-level cache, at least
+    16 MiB where sysfs reports less (or nothing)."""
+    return max(16 << 20, 2 * last_level_cache_bytes())
 
 
-def _best_time(fn: Kernel, x: torch.Tensor, budget_s: float, evict: torch.Tensor) -> float:
-    """The fastest of a few calls (after one warm-up), within about `budget_s`, each after
-    the caches were filled with other data (writing `evict`)."""
-    fn(x)
-    best = float("inf")
-    spent, calls = 0.0, 0
-    while calls < 3 or (spent < budget_s and calls < 20):
-        evict.fill_(1)
+def _ring(side: Side) -> list[Kernel]:
+    if not isinstance(side, Contender):
+        return [side]
+    copies = 1 if side.copy is None or side.nbytes <= 0 else min(MAX_COPIES, -(-ring_bytes() // side.nbytes))
+    return [side.kernel] + [side.copy() for _ in range(copies - 1)]
+
+
+def _time_per_call(ring: list[Kernel], x: torch.Tensor, budget_s: float) -> float:
+    """Seconds per call, the best of a few passes over the ring (after a warm-up pass):
+    each call's weight comes from memory, as in a step."""
+    for kernel in ring:
+        kernel(x)
+    best, spent, passes = float("inf"), 0.0, 0
+    while passes < 2 or (spent < budget_s and passes < 5):
         start = time.perf_counter()
-        fn(x)
+        for kernel in ring:
+            kernel(x)
         took = time.perf_counter() - start
-        best, spent, calls = min(best, took), spent + took, calls + 1
+        best, spent, passes = min(best, took / len(ring)), spent + took, passes + 1
     return best
 
 
-def measure(small: Kernel, large: Kernel, k: int, candidates: tuple[int, ...] = CANDIDATES,
+def measure(small: Side, large: Side, k: int, candidates: tuple[int, ...] = CANDIDATES,
             budget_s: float = 0.01) -> int:
     """The smallest candidate row count from which `large` is faster than `small` on two
     candidates in a row (or at the last one), NEVER if it never is; both kernels take a
-    float32 [rows, k] input."""
+    float32 [rows, k] input. A plain kernel (no Contender) is timed on its one weight."""
     gen = torch.Generator().manual_seed(0)
-    evict = torch.empty(evict_bytes(), dtype=torch.uint8)  # freed once measured
+    small_ring, large_ring = _ring(small), _ring(large)  # freed once measured
     won = []
     for rows in candidates:
         x = torch.randn(rows, k, generator=gen)
-        won.append(_best_time(large, x, budget_s, evict) < _best_time(small, x, budget_s, evict))
+        won.append(_time_per_call(large_ring, x, budget_s) < _time_per_call(small_ring, x, budget_s))
         if len(won) >= 2 and won[-1] and won[-2]:
             return candidates[len(won) - 2]
     if won and won[-1]:
@@ -108,8 +137,8 @@ def _cache_file() -> Path:
 def _machine_key() -> str:
     cpu = features.detect()
     flags = hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:12]
-    # the eviction size is part of how a figure was measured: a change re-measures
-    return f"{cpu.model}|{flags}|threads={torch.get_num_threads()}|evict={evict_bytes() >> 20}M"
+    # how a figure was measured (streaming rings of this many bytes): a change re-measures
+    return f"{cpu.model}|{flags}|threads={torch.get_num_threads()}|stream={ring_bytes() >> 20}M"
 
 
 def _load() -> dict[str, int]:
@@ -134,7 +163,7 @@ def _store(key: str, rows: int) -> None:
         logger.debug("crossover cache not written (%s)", exc)
 
 
-def rows_from(what: str, small: Kernel, large: Kernel, k: int) -> int:
+def rows_from(what: str, small: Side, large: Side, k: int) -> int:
     """From how many rows `large` should serve a layer (smaller batches take `small`).
 
     `what` names the kernel pair and weight shape (e.g. "q4_1|onednn-bf16|960x576"): the

@@ -29,7 +29,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -573,6 +573,20 @@ def vnni_linear(x: torch.Tensor, w: VnniWeight, out: torch.Tensor | None = None)
         raise MemoryError(f"pd_vnni_linear: out of memory for {m}x{k} activations")
     if rc != PD_OK:
         raise RuntimeError("pd_vnni_linear: this build has no AVX512-VNNI (check vnni_available() first)")
+    return out
+
+
+def linear_groups(x: torch.Tensor, parts: Sequence[tuple[Any, int, int]], n: int,
+                  fn: Callable[[torch.Tensor, Any, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for a weight kept as row groups `parts` [(weight, first row,
+    end row)] in output order (a fused qkv / gate_up whose shards differ in type): one
+    `fn(x, weight, out)` per group, each writing its column slice of one float32 [M, n]
+    output; a single group returns fn's own output (`out` None)."""
+    if len(parts) == 1:
+        return fn(x, parts[0][0], None)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    for weight, start, end in parts:
+        fn(x, weight, out[:, start:end])
     return out
 
 

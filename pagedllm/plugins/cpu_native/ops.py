@@ -126,8 +126,10 @@ class PackedDense:
             kernel = dense.bf16_kernel()
             self.bf16 = dense.prepack_bf16(weight)
             self.bf16_from = crossover.rows_from(
-                f"dense-f32|{kernel}|{n}x{k}", lambda x: dense.linear(x, self.packed, None),
-                lambda x: dense.linear_bf16(x, self.bf16, None), k)
+                f"dense-f32|{kernel}|{n}x{k}",
+                crossover.Contender(_f32_kernel(self.packed), lambda: _f32_kernel(dense.prepack(weight)), 4 * n * k),
+                crossover.Contender(_bf16_kernel(self.bf16), lambda: _bf16_kernel(dense.prepack_bf16(weight)),
+                                    2 * n * k), k)
             if self.bf16_from <= 1:
                 self.packed = None
                 self.kind = kernel
@@ -136,10 +138,26 @@ class PackedDense:
             else:
                 self.kind = f"f32<{self.bf16_from}<={kernel}"
 
+    @property
+    def nbytes(self) -> int:
+        return min(_nbytes(t) for t in (self.packed, self.bf16) if t is not None)
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.bf16 is not None and (self.packed is None or x.numel() >= self.bf16_from * x.shape[-1]):
             return dense.linear_bf16(x, self.bf16, bias)
         return dense.linear(x, self.packed, bias)
+
+
+def _f32_kernel(packed: native.DenseWeight | torch.Tensor) -> crossover.Kernel:
+    return lambda x: dense.linear(x, packed, None)
+
+
+def _bf16_kernel(packed: native.Bf16Tiles | torch.Tensor) -> crossover.Kernel:
+    return lambda x: dense.linear_bf16(x, packed, None)
+
+
+def _nbytes(packed: native.DenseWeight | native.Bf16Tiles | torch.Tensor) -> int:
+    return packed.numel() * packed.element_size() if isinstance(packed, torch.Tensor) else packed.nbytes
 
 
 class PackedBF16:
@@ -151,6 +169,7 @@ class PackedBF16:
     def __init__(self, weight: torch.Tensor) -> None:
         self.bf16 = dense.prepack_bf16(weight)
         self.kind = dense.bf16_kernel()
+        self.nbytes = _nbytes(self.bf16)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return dense.linear_bf16(x, self.bf16, bias)

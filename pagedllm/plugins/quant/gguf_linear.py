@@ -106,19 +106,43 @@ def _int4_candidate(groups: Sequence[tuple[int, torch.Tensor]], k: int):
 _SMALL_CANDIDATES = (_vnni_candidate, _int4_candidate)
 
 
-def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch.Tensor]], k: int, native_fn):
-    """The kernel for batches below the dense crossover: `native_fn` (the float32-exact
+def _blocks_bytes(groups: Sequence[tuple[int, torch.Tensor]]) -> int:
+    """What a call reads of a weight kept as blocks: about the blocks' own bytes, in every
+    layout the small-batch kernels keep."""
+    return sum(raw.numel() * raw.element_size() for _, raw in groups)
+
+
+def _native_copy(groups: Sequence[tuple[int, torch.Tensor]], k: int) -> crossover.Kernel:
+    """The native kernel on its own repacking of `groups` (crossover timing's copies);
+    takes `gemm` as `_native_linear` does."""
+    parts, row = [], 0
+    for qtype, raw in groups:
+        parts.append((native.pack(raw, qtype, k), row, row + raw.shape[0]))
+        row += raw.shape[0]
+
+    def kernel(x2: torch.Tensor, gemm: bool = False) -> torch.Tensor:
+        return native.linear_groups(x2.contiguous(), parts, row,
+                                    lambda x, w, out: native.linear(x, w, out, gemm=gemm))
+    return kernel
+
+
+def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch.Tensor]], k: int,
+                       native_side: crossover.Contender):
+    """The kernel for batches below the dense crossover: `native_side` (the float32-exact
     native kernel), unless a candidate beat the kernel chosen so far from one row on
-    (measured: on a Zen 4, VNNI; on a Sapphire Rapids, torch's int4 kernel). Returns the
-    kernel and its name (for crossover keys and the log)."""
-    best, name = native_fn, "native"
+    (measured: on Zen 4 and Zen 5, VNNI; on a Sapphire Rapids, torch's int4 kernel).
+    Returns the kernel as a crossover contender and its name (for crossover keys and the
+    log)."""
+    best, name = native_side, "native"
     if not dense_kernels.bf16_products_allowed():
         return best, name
     for make in _SMALL_CANDIDATES:
         candidate = make(groups, k)
-        if candidate is not None and crossover.rows_from(f"gguf-{types}|{name}|{candidate.kind}|{shape}",
-                                                         best, candidate, k) <= 1:
-            best, name = candidate, candidate.kind
+        if candidate is None:
+            continue
+        side = crossover.Contender(candidate, functools.partial(make, groups, k), _blocks_bytes(groups))
+        if crossover.rows_from(f"gguf-{types}|{name}|{candidate.kind}|{shape}", best, side, k) <= 1:
+            best, name = side, candidate.kind
     return best, name
 
 
@@ -133,9 +157,14 @@ def _keep_small_kernel(layer: nn.Module, kernel, name: str) -> None:
         layer.register_parameter(f"qweight_{name}_{i}", nn.Parameter(tensor, requires_grad=False))
 
 
-def _measure_native_below(what: str, native_fn, dense_fn, k: int) -> int:
-    """From how many rows the dense copy beats the blocks (measured once per shape)."""
-    return crossover.rows_from(what, native_fn, lambda x: dense_fn(x, None), k)
+def _measure_native_below(what: str, small: crossover.Contender, dense_fn, weight: torch.Tensor, k: int) -> int:
+    """From how many rows the dense copy `dense_fn` (`ops.pack_linear(weight)`) beats the
+    blocks (measured once per shape)."""
+    def packed(dense) -> crossover.Kernel:
+        return lambda x: dense(x, None)
+
+    large = crossover.Contender(packed(dense_fn), lambda: packed(ops.pack_linear(weight)), dense_fn.nbytes)
+    return crossover.rows_from(what, small, large, k)
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -214,10 +243,14 @@ class GGUFLinearMethod(LinearMethod):
         if not dense:
             if layer.gguf_packed:  # keep-quantized: many rows decode the blocks into the GEMM
                 types = "+".join(type_name(q).lower() for q, _ in groups)
-                layer.gguf_gemm_from = crossover.rows_from(
-                    f"gguf-{types}|rows|gemm|{row}x{layer.gguf_input_size}",
-                    functools.partial(_native_linear, layer, gemm=False),
-                    functools.partial(_native_linear, layer, gemm=True), layer.gguf_input_size)
+                k, nbytes = layer.gguf_input_size, _blocks_bytes(blocks)
+
+                def side(gemm: bool) -> crossover.Contender:
+                    return crossover.Contender(functools.partial(_native_linear, layer, gemm=gemm),
+                                               lambda: functools.partial(_native_copy(blocks, k), gemm=gemm), nbytes)
+
+                layer.gguf_gemm_from = crossover.rows_from(f"gguf-{types}|rows|gemm|{row}x{k}", side(False),
+                                                           side(True), k)
             return
         weight = (dense[0] if len(dense) == 1 else torch.cat(dense)).to(layer.gguf_params_dtype)
         layer.gguf_dense = ops.pack_linear(weight)
@@ -226,13 +259,15 @@ class GGUFLinearMethod(LinearMethod):
         if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
             types = "+".join(type_name(q).lower() for q, _ in groups)
             shape = f"{row}x{layer.gguf_input_size}"
-            small, name = _small_rows_kernel(types, shape, blocks, layer.gguf_input_size,
-                                             functools.partial(_native_linear, layer))
+            k = layer.gguf_input_size
+            native_side = crossover.Contender(functools.partial(_native_linear, layer),
+                                              functools.partial(_native_copy, blocks, k), _blocks_bytes(blocks))
+            small, name = _small_rows_kernel(types, shape, blocks, k, native_side)
             if name != "native":
-                _keep_small_kernel(layer, small, name)
+                _keep_small_kernel(layer, small.kernel, name)
             layer.gguf_native_below = _measure_native_below(
                 f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_dense.kind}|{shape}", small,
-                layer.gguf_dense, layer.gguf_input_size)
+                layer.gguf_dense, weight, k)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // layer.gguf_input_size
@@ -256,16 +291,10 @@ class GGUFLinearMethod(LinearMethod):
 def _native_linear(layer: nn.Module, x2: torch.Tensor, gemm: bool | None = None) -> torch.Tensor:
     """x2 [rows, K] float32 @ W^T from the repacked block groups; `gemm` (default: from
     the layer's measured row count) decodes them panel by panel into the float32 GEMM."""
-    x2 = x2.contiguous()
     if gemm is None:
         gemm = x2.shape[0] >= layer.gguf_gemm_from
-    packed = layer.gguf_packed
-    if len(packed) == 1:
-        return native.linear(x2, packed[0][0], gemm=gemm)
-    out = torch.empty(x2.shape[0], sum(layer.gguf_output_sizes), dtype=torch.float32)
-    for weight, start, end in packed:
-        native.linear(x2, weight, out[:, start:end], gemm=gemm)
-    return out
+    return native.linear_groups(x2.contiguous(), layer.gguf_packed, sum(layer.gguf_output_sizes),
+                                lambda x, w, out: native.linear(x, w, out, gemm=gemm))
 
 
 def _register_packed(layer: nn.Module, suffix: str, packed: native.PackedWeight) -> None:
@@ -335,13 +364,15 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
             layer.gguf_head = ops.pack_linear(layer.weight)  # for logits; lookups read the plain copy
             if layer.gguf_packed is not None and layer.gguf_params_dtype == torch.float32:
                 types, shape = type_name(qtype).lower(), f"{layer.gguf_shape[0]}x{hidden}"
-                small, name = _small_rows_kernel(types, shape, [(qtype, raw)], hidden,
-                                                 functools.partial(native.linear, w=layer.gguf_packed))
+                native_side = crossover.Contender(
+                    functools.partial(native.linear, w=layer.gguf_packed),
+                    lambda: functools.partial(native.linear, w=native.pack(raw, qtype, hidden)), raw.numel())
+                small, name = _small_rows_kernel(types, shape, [(qtype, raw)], hidden, native_side)
                 if name != "native":
-                    _keep_small_kernel(layer, small, name)
+                    _keep_small_kernel(layer, small.kernel, name)
                 layer.gguf_native_below = _measure_native_below(
                     f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_head.kind}|{shape}",
-                    small, layer.gguf_head, hidden)
+                    small, layer.gguf_head, layer.weight, hidden)
         else:
             del layer.weight
             layer.gguf_has_dense = False

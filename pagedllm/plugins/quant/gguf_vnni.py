@@ -45,9 +45,4 @@ class VnniLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.k).float().contiguous()
-        if len(self.weights) == 1:
-            return native.vnni_linear(x2, self.weights[0][0])
-        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32)
-        for w, start, end in self.weights:
-            native.vnni_linear(x2, w, out[:, start:end])
-        return out
+        return native.linear_groups(x2, self.weights, self.n, native.vnni_linear)

@@ -162,6 +162,18 @@ def _triton_reads(parts: list[IntGroups]) -> bool:
     return all(p.group % 16 == 0 and p.codes.shape[1] % (32 // p.bits) == 0 for p in parts)
 
 
+def _native_parts(x2: torch.Tensor, parts: list[tuple[native.PackedWeight, torch.Tensor | None, int, int]], n: int,
+                  gemm: bool = False) -> torch.Tensor:
+    """float32 [rows, n] from native parts (weight, input permutation or None, first row,
+    end row); `gemm`: decoded into the float32 GEMM."""
+    if len(parts) == 1 and parts[0][1] is None:
+        return native.linear(x2, parts[0][0], gemm=gemm)
+    out = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x2.device)
+    for w, perm, start, end in parts:
+        native.linear(x2 if perm is None else x2.index_select(1, perm), w, out[:, start:end], gemm=gemm)
+    return out
+
+
 class IntLinear:
     """x @ W^T for a layer whose rows come in parts (`IntGroups` each, stacked along N):
     from the native kernel's operands where they hold every part, else from one dense
@@ -196,8 +208,16 @@ class IntLinear:
                 self.parts.append((w, perm, row, row + w.n))
                 row += w.n
             self.kind = f"native-{'+'.join(f'int{p.bits}' for p in parts)}"
-            self.gemm_from = crossover.rows_from(f"{self.kind}|rows|gemm|{self.n}x{self.k}", self._native,
-                                                 functools.partial(self._native, gemm=True), self.k)
+            nbytes = sum(w.nbytes for w in packed)
+
+            def side(gemm: bool) -> crossover.Contender:
+                def copy() -> crossover.Kernel:  # the same kernel on its own packing of the parts
+                    twin = [(_native_weight(p), *rest) for p, (_, *rest) in zip(parts, self.parts)]
+                    return functools.partial(_native_parts, parts=twin, n=self.n, gemm=gemm)
+                return crossover.Contender(functools.partial(self._native, gemm=gemm), copy, nbytes)
+
+            self.gemm_from = crossover.rows_from(f"{self.kind}|rows|gemm|{self.n}x{self.k}", side(False), side(True),
+                                                 self.k)
         else:
             weight = torch.cat([p.dequantize() for p in parts]).to(dtype)
             self.dense = ops.pack_linear(weight)
@@ -207,12 +227,7 @@ class IntLinear:
 
     def _native(self, x2: torch.Tensor, gemm: bool = False) -> torch.Tensor:
         """float32 [rows, N] from the native parts (`gemm`: decoded into the float32 GEMM)."""
-        if len(self.parts) == 1 and self.parts[0][1] is None:
-            return native.linear(x2, self.parts[0][0], gemm=gemm)
-        out = torch.empty(x2.shape[0], self.n, dtype=torch.float32, device=x2.device)
-        for w, perm, start, end in self.parts:
-            native.linear(x2 if perm is None else x2.index_select(1, perm), w, out[:, start:end], gemm=gemm)
-        return out
+        return _native_parts(x2, self.parts, self.n, gemm)
 
     def register(self, layer: nn.Module) -> None:
         """Make the kernel's tensors parameters of `layer` (memory accounting and state

@@ -61,3 +61,36 @@ def test_answers_are_cached_on_disk_per_machine(fresh_cache):
 def test_unreadable_cache_is_ignored(fresh_cache):
     (fresh_cache / "crossovers.json").write_text("{not json")
     assert crossover.rows_from("pair|1x1", sleeper(0, 0), sleeper(0, 1e-3), 4) == crossover.NEVER
+
+
+def counted_copies(calls: list[str], nbytes: int) -> crossover.Contender:
+    """A contender whose kernel and each of its copies log their name when called."""
+    def named(name: str):
+        def kernel(x: torch.Tensor) -> torch.Tensor:
+            calls.append(name)
+            return x
+        return kernel
+
+    made = iter(range(1, 1000))
+    return crossover.Contender(named("serving"), lambda: named(f"copy{next(made)}"), nbytes)
+
+
+def test_a_timing_streams_through_copies_holding_twice_the_last_level_cache(monkeypatch):
+    """Weights come from memory in a step: each side is timed over a ring of copies whose
+    bytes add up to ring_bytes(), the serving kernel among them, every one called."""
+    monkeypatch.setattr(crossover, "ring_bytes", lambda: 10_000)
+    small_calls, large_calls = [], []
+    crossover.measure(counted_copies(small_calls, 1_000), counted_copies(large_calls, 2_500), k=4,
+                      candidates=(1, 2), budget_s=0)
+    assert set(small_calls) == {"serving"} | {f"copy{i}" for i in range(1, 10)}, "10 x 1000 bytes: 9 copies"
+    assert set(large_calls) == {"serving"} | {f"copy{i}" for i in range(1, 4)}, "4 x 2500 bytes: 3 copies"
+    # every copy is called equally often: a warm-up pass and at least two timed passes per row count
+    assert len(set(small_calls.count(name) for name in set(small_calls))) == 1 and small_calls.count("serving") >= 6
+
+
+def test_a_weight_past_the_ring_size_is_timed_alone_and_copies_are_capped(monkeypatch):
+    monkeypatch.setattr(crossover, "ring_bytes", lambda: 10_000)
+    big, tiny = [], []
+    crossover.measure(counted_copies(big, 50_000), counted_copies(tiny, 1), k=4, candidates=(1,), budget_s=0)
+    assert set(big) == {"serving"}, "a weight larger than the ring streams from memory by itself"
+    assert len(set(tiny)) == crossover.MAX_COPIES
