@@ -295,8 +295,14 @@ def test_bf16_model_on_cpu_attn(tiny_model_dir, monkeypatch, cache):
 def test_medium_precision_keeps_a_bf16_cache(tiny_model_dir, monkeypatch):
     """A float32 model under "medium" matmul precision (the GGUF default) keeps a bf16
     cache: logprobs within BF16_LOGPROB_ATOL of the float32-cache run, the same greedy
-    tokens wherever float32 had a clear best (a margin above that tolerance)."""
+    tokens wherever float32 had a clear best (a margin above that tolerance). The GEMMs keep
+    float32 products in both runs, so the cache is all that differs: which layers take bf16
+    products under "medium" is measured per machine (a tiny model's weights stay cached and
+    took them from one row on a Zen 5), and those roundings are another test's subject."""
+    from pagedllm.ops.cpu import crossover
+
     monkeypatch.setenv("PAGEDLLM_FLOAT32_MATMUL_PRECISION", "medium")
+    monkeypatch.setattr(crossover, "rows_from", lambda what, small, large, k: crossover.NEVER)
     model_dir = tiny_model_dir("llama")
     llm, got = generate(model_dir)
     worker = llm.engine.worker
