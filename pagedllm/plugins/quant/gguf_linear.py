@@ -364,10 +364,11 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
             layer.gguf_head = ops.pack_linear(layer.weight)  # for logits; lookups read the plain copy
             if layer.gguf_packed is not None and layer.gguf_params_dtype == torch.float32:
                 types, shape = type_name(qtype).lower(), f"{layer.gguf_shape[0]}x{hidden}"
-                native_side = crossover.Contender(
-                    functools.partial(native.linear, w=layer.gguf_packed),
-                    lambda: functools.partial(native.linear, w=native.pack(raw, qtype, hidden)), raw.numel())
-                small, name = _small_rows_kernel(types, shape, [(qtype, raw)], hidden, native_side)
+                blocks = [(qtype, raw)]
+                native_side = crossover.Contender(functools.partial(native.linear, w=layer.gguf_packed),
+                                                  functools.partial(_native_copy, blocks, hidden),
+                                                  _blocks_bytes(blocks))
+                small, name = _small_rows_kernel(types, shape, blocks, hidden, native_side)
                 if name != "native":
                     _keep_small_kernel(layer, small.kernel, name)
                 layer.gguf_native_below = _measure_native_below(
