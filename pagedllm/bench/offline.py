@@ -78,6 +78,23 @@ def report_spec_decode(llm: Any, result: dict[str, Any]) -> None:
           f"({stats.num_accepted_tokens} of {stats.num_draft_tokens} draft tokens in {stats.num_drafts} drafts)")
 
 
+def report_decode_rate(outputs: list, result: dict[str, Any]) -> None:
+    """Add and print the decode rate: each request's tokens after its first over the time
+    from its first token to its last (1 / vLLM's TPOT), the mean over requests. Unlike the
+    output tokens/s above it leaves prefill out, so with `--max-num-seqs 1` it is the
+    single-stream decode speed a long prompt's prefill would otherwise dilute."""
+    rates = []
+    for o in outputs:
+        m, tokens = o.metrics, sum(len(c.token_ids) for c in o.outputs)
+        if m is not None and m.first_token_time is not None and m.finished_time is not None and tokens > 1 \
+                and m.finished_time > m.first_token_time:
+            rates.append((tokens - 1) / (m.finished_time - m.first_token_time))
+    if rates:
+        result["mean_decode_tokens_per_second"] = sum(rates) / len(rates)
+        print(f"Decode: {result['mean_decode_tokens_per_second']:.2f} tokens/s per request after its first token "
+              f"(mean of {len(rates)} requests; prefill left out)")
+
+
 def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
     """Generate for all requests in one `LLM.generate` call and report the rates."""
     from pagedllm import SamplingParams
@@ -112,6 +129,7 @@ def run_throughput(args: argparse.Namespace) -> dict[str, Any]:
           f"{result['output_tokens_per_second']:.2f} output tokens/s")
     print(f"Total num prompt tokens:  {prompt_tokens}")
     print(f"Total num output tokens:  {output_tokens}")
+    report_decode_rate(outputs, result)
     report_spec_decode(llm, result)
     _write_json(args.output_json, result)
     return result

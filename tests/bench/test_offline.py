@@ -29,6 +29,24 @@ def test_throughput_reports_rates_and_writes_json(tiny_model_dir: Callable[..., 
     assert result["total_output_tokens"] == 4 * 6  # ignore_eos: every request runs to --output-len
     assert result["output_tokens_per_second"] > 0
     assert result["engine_args"]["max_num_seqs"] == 4
+    assert "Decode:" in printed and result["mean_decode_tokens_per_second"] > 0
+
+
+def test_decode_rate_leaves_the_prefill_out() -> None:
+    """A request's decode rate counts its tokens after the first over the time after the
+    first: a slow prefill (first token at 10 s) does not lower it."""
+    from types import SimpleNamespace
+
+    from pagedllm.bench.offline import report_decode_rate
+    from pagedllm.core.request import RequestMetrics
+
+    def output(first: float, finished: float, tokens: int):
+        return SimpleNamespace(metrics=RequestMetrics(arrival_time=0.0, first_token_time=first, finished_time=finished),
+                               outputs=[SimpleNamespace(token_ids=list(range(tokens)))])
+
+    result: dict[str, Any] = {}
+    report_decode_rate([output(10.0, 12.0, 21), output(1.0, 1.5, 11), output(2.0, 2.0, 1)], result)
+    assert result["mean_decode_tokens_per_second"] == (20 / 2.0 + 10 / 0.5) / 2, "a 1-token request has no rate"
 
 
 def test_throughput_reads_a_dataset(tiny_model_dir: Callable[..., Any], tmp_path: Path) -> None:
