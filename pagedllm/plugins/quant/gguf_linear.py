@@ -17,6 +17,7 @@ Two modes (`GGUFConfig.keep_dense`):
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 from typing import Any, Sequence
@@ -140,7 +141,8 @@ def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch
         candidate = make(groups, k)
         if candidate is None:
             continue
-        side = crossover.Contender(candidate, functools.partial(make, groups, k), _blocks_bytes(groups))
+        # copies clone the packed tensors (torch's int4 packing of every copy took seconds)
+        side = crossover.Contender(candidate, functools.partial(copy.deepcopy, candidate), _blocks_bytes(groups))
         if crossover.rows_from(f"gguf-{types}|{name}|{candidate.kind}|{shape}", best, side, k) <= 1:
             best, name = side, candidate.kind
     return best, name
