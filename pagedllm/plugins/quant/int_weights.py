@@ -166,12 +166,12 @@ def _native_parts(x2: torch.Tensor, parts: list[tuple[native.PackedWeight, torch
                   gemm: bool = False) -> torch.Tensor:
     """float32 [rows, n] from native parts (weight, input permutation or None, first row,
     end row); `gemm`: decoded into the float32 GEMM."""
-    if len(parts) == 1 and parts[0][1] is None:
-        return native.linear(x2, parts[0][0], gemm=gemm)
-    out = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x2.device)
-    for w, perm, start, end in parts:
-        native.linear(x2 if perm is None else x2.index_select(1, perm), w, out[:, start:end], gemm=gemm)
-    return out
+    def part(x: torch.Tensor, weight: tuple[native.PackedWeight, torch.Tensor | None],
+             out: torch.Tensor | None) -> torch.Tensor:
+        w, perm = weight
+        return native.linear(x if perm is None else x.index_select(1, perm), w, out, gemm=gemm)
+
+    return native.linear_groups(x2, [((w, perm), start, end) for w, perm, start, end in parts], n, part)
 
 
 class IntLinear:
