@@ -12,6 +12,7 @@ the model's work runs in torch, outside the interpreter lock.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from typing import Any, AsyncIterator, Callable
 
@@ -36,7 +37,7 @@ class DataParallelEngine:
             for i in range(config.parallel.data_parallel_size):
                 replica = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
                                                                                    data_parallel_rank=i))
-                replicas.append(AsyncLLMEngine(LLMEngine(replica)))
+                replicas.append(AsyncLLMEngine(functools.partial(LLMEngine, replica)))
                 logger.info("data-parallel replica %d of %d ready", i + 1, config.parallel.data_parallel_size)
         except BaseException:
             for replica in replicas:

@@ -453,8 +453,15 @@ class AsyncLLMEngine:
     buffers at most one output (`_Latest`): a slow consumer gets the newest one.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    def __init__(self, engine: LLMEngine | Callable[[], LLMEngine]) -> None:
+        """`engine` is a built engine or, better, a function that builds one: the engine
+        thread then builds it itself, so that loading, warm-up and every step run their
+        OpenMP regions on one thread. libgomp keeps one thread pool per thread that opens
+        regions; a second pool (the loading thread's, idle) makes it count more OpenMP
+        threads than CPUs and cut its spin-waiting short, so each of a step's ~200
+        kernels ended with the threads going to sleep and being woken (serving ran a
+        third idle). Construction errors are raised here."""
+        self.engine: LLMEngine = engine if isinstance(engine, LLMEngine) else None  # type: ignore[assignment]
         self._commands: queue.Queue = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Latest]] = {}
         self._refusal: Callable[[], BaseException] | None = None
@@ -462,12 +469,19 @@ class AsyncLLMEngine:
         self._wake = threading.Event()
         self._stopped = False
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._run, name="pagedllm-engine", daemon=True)
+        built = threading.Event()
+        failure: list[BaseException] = []
+        self._thread = threading.Thread(target=self._run, args=(engine, built, failure),
+                                        name="pagedllm-engine", daemon=True)
         self._thread.start()
+        built.wait()
+        if failure:
+            self._thread.join()
+            raise failure[0]
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLMEngine":
-        return cls(LLMEngine(config))
+        return cls(lambda: LLMEngine(config))
 
     async def generate(self, prompt: str | None, params: SamplingParams, request_id: str | None = None,
                        prompt_token_ids: list[int] | None = None) -> AsyncIterator[RequestOutput]:
@@ -570,7 +584,16 @@ class AsyncLLMEngine:
             else:
                 self.engine.abort(arg)
 
-    def _run(self) -> None:
+    def _run(self, engine: LLMEngine | Callable[[], LLMEngine], built: threading.Event,
+             failure: list[BaseException]) -> None:
+        try:
+            if not isinstance(engine, LLMEngine):
+                self.engine = engine()
+        except BaseException as exc:  # handed to the constructor, which raises it
+            failure.append(exc)
+            return
+        finally:
+            built.set()
         try:
             self._loop()
         except EngineDeadError as exc:  # a rank is gone: nothing can run any more

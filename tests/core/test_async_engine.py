@@ -1,0 +1,97 @@
+"""AsyncLLMEngine: the engine thread builds the engine it steps.
+
+Why it matters: libgomp keeps one OpenMP thread pool per thread that opens parallel
+regions. An engine loaded on the server's main thread and stepped on the engine thread
+left two pools, so libgomp counted more OpenMP threads than CPUs and stopped
+spin-waiting at barriers: every kernel of a step ended in a futex sleep and wake-up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, Callable
+
+import pytest
+
+from pagedllm.core.config import EngineConfig
+from pagedllm.core.engine import AsyncLLMEngine, LLMEngine
+from pagedllm.core.request import SamplingParams
+
+
+def _config(model: str) -> EngineConfig:
+    return EngineConfig.from_kwargs(model=model, kv_cache_memory=8 << 20, device="cpu", seed=0)
+
+
+def _generate(engine: AsyncLLMEngine, ids: list[int]) -> list[int]:
+    async def run() -> list[int]:
+        final = None
+        async for out in engine.generate(None, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                         prompt_token_ids=ids):
+            final = out
+        assert final is not None
+        return list(final.outputs[0].token_ids)
+
+    return asyncio.run(run())
+
+
+def test_the_engine_thread_builds_and_steps_the_engine(tiny_model_dir: Callable[..., Any],
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _config(str(tiny_model_dir("llama")))
+    built_on: list[threading.Thread] = []
+    stepped_on: set[threading.Thread] = set()
+    step = LLMEngine.step
+
+    def recording_step(self: LLMEngine) -> Any:
+        stepped_on.add(threading.current_thread())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+
+    def build() -> LLMEngine:
+        built_on.append(threading.current_thread())
+        return LLMEngine(config)
+
+    engine = AsyncLLMEngine(build)
+    try:
+        assert len(_generate(engine, [5, 6, 7])) == 4
+    finally:
+        engine.shutdown()
+    assert built_on and built_on[0] is not threading.main_thread(), "the engine was built on the caller's thread"
+    assert stepped_on == {built_on[0]}, "steps ran on a thread other than the one that built the engine"
+
+
+def test_from_config_builds_on_the_engine_thread(tiny_model_dir: Callable[..., Any],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    config = _config(str(tiny_model_dir("llama")))
+    built_on: list[threading.Thread] = []
+    init = LLMEngine.__init__
+
+    def recording_init(self: LLMEngine, *args: Any, **kwargs: Any) -> None:
+        built_on.append(threading.current_thread())
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    engine = AsyncLLMEngine.from_config(config)
+    try:
+        assert built_on == [engine._thread]
+    finally:
+        engine.shutdown()
+
+
+def test_a_build_error_is_raised_by_the_constructor() -> None:
+    def build() -> LLMEngine:
+        raise ValueError("no such model: /nowhere")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncLLMEngine(build)
+
+
+def test_a_built_engine_is_still_accepted(tiny_model_dir: Callable[..., Any]) -> None:
+    core = LLMEngine(_config(str(tiny_model_dir("llama"))))
+    engine = AsyncLLMEngine(core)
+    try:
+        assert engine.engine is core
+        assert len(_generate(engine, [9, 10])) == 4
+    finally:
+        engine.shutdown()
