@@ -175,6 +175,25 @@ def test_paged_attention_on_a_subset_of_the_batch(reqs):
                 f"rows of request {r} (not in subset {reqs}) were overwritten"
 
 
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+def test_paged_attention_splits_work_either_way_alike(bf16):
+    """Few query rows split the work by (row, kv head), many by row with every kv head in
+    one item (whole cache slots read at once): each request alone (1-20 rows) must get
+    exactly what it gets inside the whole 48-row batch."""
+    if bf16 and not native.bf16_kv_available():
+        pytest.skip("no bf16-cache kernels in this build")
+    case = PagedCase(MIXED, 9, 3, 64, 16, seed=11)
+    if bf16:
+        case.key_cache, case.value_cache = case.key_cache.bfloat16(), case.value_cache.bfloat16()
+    together = torch.full((case.num_tokens, case.h, case.d), float("nan"))
+    case.run(list(range(len(MIXED))), together, 0.125)
+    for r in range(len(MIXED)):
+        alone = torch.full((case.num_tokens, case.h, case.d), float("nan"))
+        case.run([r], alone, 0.125)
+        assert torch.equal(alone[case.rows(r)], together[case.rows(r)]), \
+            f"request {r} ({MIXED[r][1]} rows) differs alone and in the batch"
+
+
 def test_paged_attention_skips_requests_without_query_rows():
     """A request with q_len 0 in the middle of the list (its running count does not move)."""
     requests = [(20, 3), (40, 0), (0, 5), (9, 1)]

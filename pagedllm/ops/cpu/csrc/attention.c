@@ -297,6 +297,12 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
             return PD_ERANGE;
         max_seq_len = seq_lens[r] > max_seq_len ? seq_lens[r] : max_seq_len;
     }
+    /* A work item is one query row and `per` kv heads: all of them where there are rows
+     * enough to share among the threads (each item then reads whole cache slots, every
+     * kv head's part, in one pass: ~1.3x faster decode attention (1.0-1.5x across
+     * alternating runs, 32 rows, 30 layers of cache beyond the last-level cache, Zen 5),
+     * else one (a single decode row still splits across threads). */
+    int64_t per = T >= 4 * (int64_t)omp_get_max_threads() ? KVH : 1;
     int failed = 0;
 #pragma omp parallel
     {
@@ -307,9 +313,9 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
             failed = 1;
         }
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < T * KVH; item++) {
+        for (int64_t item = 0; item < T * (KVH / per); item++) {
             if (scores == NULL) continue;
-            int64_t t = item / KVH, kh = item % KVH;
+            int64_t t = item / (KVH / per), kh0 = item % (KVH / per) * per;
             /* which request owns query row t (binary search over the running counts) */
             int64_t lo = 0, hi = num_reqs - 1;
             while (lo < hi) {
@@ -320,12 +326,19 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
             int64_t pos = seq_lens[r] - q_len + i, qrow = row_start[r] + i;
             int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, n = pos + 1 - start;
             const int32_t *bt = block_tables + r * bt_stride;
+            for (int64_t kh = kh0; kh < kh0 + per; kh++) {
             const void **kptr = (const void **)(scores + G * max_seq_len), **vptr = kptr + max_seq_len;
             for (int64_t j = 0; j < n; j++) {
                 int64_t p = start + j, slot = (int64_t)bt[p / block_size] * block_size + p % block_size;
                 kptr[j] = (const char *)key_cache + (slot * row + kh * D) * esize;
                 vptr[j] = (const char *)value_cache + (slot * row + kh * D) * esize;
             }
+            /* the loops below prefetch PD_PREFETCH_ROWS rows ahead: start the rows before
+             * that distance now, all at once (many misses in flight, not one per row) */
+#if PD_AVX2
+            prefetch_rows((const void *const *)kptr, n, PD_PREFETCH_ROWS, D * esize);
+            prefetch_rows((const void *const *)vptr, n, PD_PREFETCH_ROWS, D * esize);
+#endif
             /* the float32 paths below read these as float rows (a bf16 cache never gets there) */
             const float *const *krow = (const float *const *)kptr, *const *vrow = (const float *const *)vptr;
             const float *qt = q + qrow * q_stride + kh * G * D; /* this kv head's G query heads */
@@ -403,6 +416,7 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
                     for (int64_t j = 0; j < n; j++)
                         for (int64_t e = d; e < D; e++) o[e] += p[j] * vrow[j][e];
                 }
+            }
         }
         free(scores);
     }
