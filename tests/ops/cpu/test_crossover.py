@@ -94,3 +94,34 @@ def test_a_weight_past_the_ring_size_is_timed_alone_and_copies_are_capped(monkey
     crossover.measure(counted_copies(big, 50_000), counted_copies(tiny, 1), k=4, candidates=(1,), budget_s=0)
     assert set(big) == {"serving"}, "a weight larger than the ring streams from memory by itself"
     assert len(set(tiny)) == crossover.MAX_COPIES
+
+
+def test_the_two_sides_are_timed_in_alternating_passes():
+    """A drift of the machine's speed must meet both sides alike: passes alternate
+    small, large, small, ... instead of all of one side's, then the other's."""
+    order = []
+
+    def side(name):
+        def kernel(x):
+            order.append(name)
+            return x
+        return kernel
+
+    crossover.measure(side("small"), side("large"), k=4, candidates=(1,), budget_s=0)
+    assert order == ["small", "large"] * (1 + crossover.PASSES), order
+
+
+def test_a_drift_during_the_timing_does_not_decide():
+    """The machine slows down 3x halfway through a candidate's timing: the side timed
+    second must not lose for it (the large kernel is 1.2x faster throughout)."""
+    clock = {"calls": 0}
+
+    def side(cost_s):
+        def kernel(x):
+            clock["calls"] += 1
+            time.sleep(cost_s * (3.0 if clock["calls"] > 4 else 1.0))
+            return x
+        return kernel
+
+    rows = crossover.measure(side(1.2e-3), side(1.0e-3), k=4, candidates=(1,), budget_s=0)
+    assert rows == 1, "the large kernel is faster at every moment; alternating passes see it"
