@@ -203,8 +203,14 @@ class StepGraph:
 class StepReplayer(GraphRunner):
     """Runs decode and speculative verify steps (up to MAX_QUERY_LEN query rows per
     request, as the backend's `graph_max_query_len` allows) through recorded graphs, one
-    per batch shape, recording on the second sight (the first runs eagerly, as a
-    warm-up); other steps run eagerly."""
+    per batch shape, recorded the first time the shape is met; the replayer's very first
+    forward runs eagerly instead, as a warm-up (what layers build on their first call,
+    such as cached norm weights, must not be recorded). Other steps run eagerly.
+
+    A shape used to be recorded on its second sight: every new batch size or block-table
+    width then cost an eager step, a recording and a checked replay (which runs the step
+    eagerly too) before it replayed, ~30-130 ms each at 32 SmolLM2 rows, paid again by
+    every new batch size a server meets."""
 
     name = "cpu_replay"
     priority = {"cpu": 100}
@@ -226,9 +232,9 @@ class StepReplayer(GraphRunner):
         self.max_rows, self.max_bytes = max_rows, max_bytes
         self.max_query_len = min(MAX_QUERY_LEN, backend.graph_max_query_len)
         self.graphs: OrderedDict[tuple, StepGraph | None] = OrderedDict()  # None: not replayable
-        # shapes seen once: a shape is recorded on its second step, so that whatever a
-        # forward builds lazily on its first call (cached norm weights) is not recorded
-        self.warmed: set[tuple] = set()
+        # the first forward runs eagerly, so that whatever a forward builds lazily on its
+        # first call (cached norm weights) is not recorded
+        self.warmed = False
         self.off = False
         self.said_why = False
 
@@ -239,8 +245,8 @@ class StepReplayer(GraphRunner):
         inputs = step_inputs(layout, attn.metadata)
         key = step_key(inputs, attn.metadata)
         if key not in self.graphs:
-            if key not in self.warmed:
-                self.warmed.add(key)
+            if not self.warmed:
+                self.warmed = True
                 return self.model(layout.input_ids, layout.positions, attn)
             return self._record(key, layout, attn, inputs)
         graph = self.graphs[key]

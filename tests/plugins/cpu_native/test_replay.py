@@ -59,8 +59,8 @@ def test_replayed_steps_equal_eager_steps_bit_for_bit(tiny_model_dir, replays, a
     graphs = [g for g in replayer.graphs.values() if g is not None]
     assert {g.output.shape[0] for g in graphs} == {3, 2}, "the 3-row and 2-row decode steps were not recorded"
     assert all(g.verified for g in graphs), "a graph was never checked against an eager run"
-    # 4 decode steps of 3 rows and 7 of 2 rows; per shape, one warm-up and one recorded step run eagerly
-    assert replays["n"] >= 7, f"only {replays['n']} steps were replayed"
+    # 4 decode steps of 3 rows and 7 of 2 rows; one warm-up of all, then per shape one recorded step
+    assert replays["n"] >= 8, f"only {replays['n']} steps were replayed"
     assert got == eager, "replayed steps differ from eager ones (tokens or logprobs, compared exactly)"
 
 
@@ -75,6 +75,20 @@ def test_first_forward_of_a_shape_is_a_warm_up_not_a_recording(tiny_model_dir, r
     graphs = llm.engine.worker.graph_runner.graphs
     assert any(g is not None for g in graphs.values()), "the 1-row shape was never recorded"
     assert replays["n"] == 4, f"{replays['n']} replays of 6 steps (expected: a warm-up, a recording, 4 replays)"
+
+
+def test_a_new_shape_after_the_warm_up_is_recorded_at_once(tiny_model_dir, replays):
+    """Only the replayer's first forward is a warm-up: a batch size met later is recorded
+    the first time it is met and replayed from its next step on."""
+    from pagedllm import LLM, SamplingParams
+
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", kv_cache_memory=1 << 22)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": [7]}], params, use_tqdm=False)  # warm-up, recording, 2 replays
+    assert replays["n"] == 2
+    llm.generate([{"prompt_token_ids": [7, 8]}, {"prompt_token_ids": [9, 10]}], params, use_tqdm=False)
+    # 3 decode steps of 2 rows: the first recorded, the other two replayed
+    assert replays["n"] == 4, f"{replays['n'] - 2} replays of a new shape's 3 decode steps (expected 2)"
 
 
 def test_conversions_that_return_their_input_are_not_replayed(tiny_model_dir, tmp_path, replays):
