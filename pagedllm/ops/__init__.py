@@ -80,6 +80,12 @@ def _gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return table[ids]
 
 
+def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index of x [rows, cols] -> int64 [rows] (greedy sampling);
+    a NaN counts as the maximum, as in torch's max."""
+    return x.max(dim=-1).indices
+
+
 class PackedLinear(Protocol):
     """What `pack_linear` returns: the weight in a kernel's layout, applied by calling it."""
 
@@ -121,4 +127,5 @@ silu_and_mul: Op = Op("silu_and_mul", _silu_and_mul)
 gelu_and_mul: Op = Op("gelu_and_mul", _gelu_and_mul)
 rotary_qkv: Op = Op("rotary_qkv", _rotary_qkv)
 gather_rows: Op = Op("gather_rows", _gather_rows)
+argmax_rows: Op = Op("argmax_rows", _argmax_rows)
 pack_linear: Op = Op("pack_linear", _pack_linear)

@@ -41,7 +41,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # compiled together
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 9  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 10  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-fno-math-errno"]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
@@ -69,6 +69,7 @@ _SIGNATURES = {
     "pd_paged_attention": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
                                   _f32, _i64, _f32]),
     "pd_gather_rows": (_i32, [_p, _i64, _i64, _p, _i64, _p]),
+    "pd_argmax_rows": (None, [_p, _i64, _i64, _i64, _p]),
     "pd_write_kv_bf16": (None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
     "pd_paged_attention_bf16": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
                                        _f32, _i64, _f32]),
@@ -702,6 +703,17 @@ def paged_attention(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch
         raise ValueError(f"paged_attention: no bf16-cache kernel for head size {d} here (see bf16_kv_available)")
     if rc != PD_OK:
         raise MemoryError("pd_paged_attention: could not allocate the per-thread score rows")
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's first maximal index (its first NaN's, where it has one) of a float32
+    [rows, cols] tensor with contiguous rows -> int64 [rows], as x.max(dim=-1).indices."""
+    if x.dim() != 2 or x.dtype != torch.float32 or not x.is_cpu or (x.shape[1] > 1 and x.stride(1) != 1):
+        raise ValueError(f"argmax_rows: expected a CPU float32 [rows, cols] with contiguous rows, got "
+                         f"{x.dtype} {list(x.shape)} strides {x.stride()}")
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    _lib().pd_argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr())
+    return out
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

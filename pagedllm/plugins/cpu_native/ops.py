@@ -80,6 +80,10 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return native.gather_rows(table.contiguous(), ids)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    return native.argmax_rows(x if x.dim() == 2 and (x.shape[1] <= 1 or x.stride(1) == 1) else x.contiguous())
+
+
 # bf16 models (`--dtype bfloat16`): the float32 kernels between two conversions. Each op's
 # reference computes in float32 too, so only the final bf16 rounding is shared.
 
@@ -220,6 +224,7 @@ OP_IMPLS = [
     OpImpl("silu_and_mul", "cpu_native", silu_and_mul, float32_cpu),
     OpImpl("rotary_qkv", "cpu_native", rotary_qkv, float32_cpu),
     OpImpl("gather_rows", "cpu_native", gather_rows, float32_cpu),
+    OpImpl("argmax_rows", "cpu_native", argmax_rows, float32_cpu),
     OpImpl("pack_linear", "cpu_packed", PackedDense, _packed_dense_here),
     OpImpl("pack_linear", "cpu_packed_bf16", PackedBF16, _packed_bf16_here),
     OpImpl("rms_norm", "cpu_native_bf16", rms_norm_bf16, bf16_cpu),

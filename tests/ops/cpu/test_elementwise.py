@@ -1,5 +1,5 @@
-"""The per-row kernels (csrc/elementwise.c: pd_gather_rows, pd_rms_norm, pd_silu_mul,
-pd_rope_neox) through their native.py wrappers, against torch indexing, float64 torch
+"""The per-row kernels (csrc/elementwise.c: pd_gather_rows, pd_argmax_rows, pd_rms_norm,
+pd_silu_mul, pd_rope_neox) through their native.py wrappers, against torch indexing, float64 torch
 and the model's own rotary embedding. Every test runs on both builds (conftest.py)."""
 
 from __future__ import annotations
@@ -38,6 +38,45 @@ def test_gather_rows_rejects_bad_ids():
         native.gather_rows(table, torch.tensor([[1]]))
     with pytest.raises(ValueError, match="ids"):
         native.gather_rows(table, torch.tensor([1], dtype=torch.int32))
+
+
+# ------------------------------------------------------------------ argmax_rows
+
+@pytest.mark.parametrize("cols", [1, 7, 16, 33, 49152])
+def test_argmax_rows_matches_torch_max(cols):
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(40, cols, generator=gen)
+    x[1] = float("-inf")  # every value -inf: index 0
+    x[2, -1] = float("nan")  # a NaN counts as the maximum
+    if cols > 5:
+        x[3, 2] = x[3, 5] = 1e30  # a tie: the first
+        x[4, 3] = x[4, cols - 1] = float("nan")  # two NaNs: the first
+        x[5, cols - 1] = 1e30  # the maximum in the tail past the last 16 columns
+        x[6, 1:] = x[6, 0]  # all equal: index 0
+    expected = x.max(dim=-1).indices
+    got = native.argmax_rows(x)
+    assert got.dtype == torch.int64 and torch.equal(got, expected), \
+        f"rows {(got != expected).nonzero().flatten().tolist()} differ from torch's max(dim=-1)"
+
+
+def test_argmax_rows_reads_rows_apart():
+    """Rows `stride(0)` apart (a column slice of a wider tensor) are read in place."""
+    gen = torch.Generator().manual_seed(1)
+    wide = torch.randn(5, 100, generator=gen)
+    x = wide[:, 10:70]
+    assert torch.equal(native.argmax_rows(x), x.max(dim=-1).indices)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        native.argmax_rows(wide.t())
+
+
+def test_greedy_sampling_takes_the_argmax_op():
+    """The sampler's greedy path goes through ops.argmax_rows (which the native kernel
+    serves for CPU float32 logits) and agrees with torch."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(8, 300, generator=gen)
+    from pagedllm.core.sampler import _argmax
+    assert torch.equal(_argmax(logits), logits.argmax(dim=-1))
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
 
 
 # ------------------------------------------------------------------ rms_norm / silu_mul

@@ -1,7 +1,7 @@
 /* Per-row kernels of a transformer layer: RMSNorm with the residual add fused in
  * (pd_rms_norm), rotary embedding in place (pd_rope_neox), the SwiGLU gate
  * (pd_silu_mul), and a row gather for embedding and rotary-table lookups
- * (pd_gather_rows). */
+ * (pd_gather_rows), and each row's argmax for greedy sampling (pd_argmax_rows). */
 #include "pd_kernels.h"
 
 /* ------------------------------------------------------------------ row gather */
@@ -13,6 +13,59 @@ int pd_gather_rows(const float *table, int64_t num_rows, int64_t row_len, const 
 #pragma omp parallel for schedule(static) if (n * row_len > 65536)
     for (int64_t i = 0; i < n; i++) memcpy(out + i * row_len, table + ids[i] * row_len, (size_t)row_len * sizeof(float));
     return PD_OK;
+}
+
+/* ------------------------------------------------------------------ row argmax */
+/* out[r] = the first index of row r's largest value, or of its first NaN (a NaN counts as
+ * the largest, as torch's max does), for rows of `cols` floats `ld` apart. Greedy sampling
+ * over a [rows, vocab] logits tensor: one pass over values the lm_head just wrote, where
+ * torch's max(dim) took 0.9-1.2 ms of a 32-row SmolLM2 step (49152 columns). */
+static int64_t argmax_row(const float *x, int64_t cols) {
+    int64_t j = 0;
+#if PD_AVX512
+    if (cols >= 16) {
+        __m512 best = _mm512_loadu_ps(x);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+        __m512i idx = at;
+        const __m512i sixteen = _mm512_set1_epi32(16);
+        if (_mm512_cmp_ps_mask(best, best, _CMP_UNORD_Q)) goto scalar;
+        for (j = 16; j + 16 <= cols; j += 16) {
+            __m512 v = _mm512_loadu_ps(x + j);
+            idx = _mm512_add_epi32(idx, sixteen);
+            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) goto scalar; /* a NaN: the scalar scan finds the first */
+            __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ); /* strictly: each lane keeps its first */
+            best = _mm512_mask_mov_ps(best, more, v);
+            at = _mm512_mask_mov_epi32(at, more, idx);
+        }
+        float lanes[16];
+        int32_t where[16];
+        _mm512_storeu_ps(lanes, best);
+        _mm512_storeu_si512((void *)where, at);
+        float mx = lanes[0];
+        int64_t arg = where[0];
+        for (int l = 1; l < 16; l++)
+            if (lanes[l] > mx || (lanes[l] == mx && where[l] < arg)) mx = lanes[l], arg = where[l];
+        for (; j < cols; j++) {
+            if (x[j] != x[j]) return j;
+            if (x[j] > mx) mx = x[j], arg = j;
+        }
+        return arg;
+    }
+scalar:
+#endif
+    {
+        int64_t arg = 0;
+        for (j = 0; j < cols; j++) {
+            if (x[j] != x[j]) return j;
+            if (x[j] > x[arg]) arg = j;
+        }
+        return arg;
+    }
+}
+
+void pd_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t ld, int64_t *out) {
+#pragma omp parallel for schedule(static) if (rows > 1 && rows * cols > 262144)
+    for (int64_t r = 0; r < rows; r++) out[r] = cols > 0 ? argmax_row(x + r * ld, cols) : 0;
 }
 
 /* ------------------------------------------------------------------ elementwise */
