@@ -87,6 +87,16 @@ class PluginRegistry:
 
     # ------------------------------------------------------------------ lookups
 
+    def op_impl(self, op: str, device: torch.device, dtype: torch.dtype) -> OpImpl | None:
+        """The runnable implementation of `op` with the highest priority for tensors of
+        `device` and `dtype`; None where no plugin offers one (callers use the op's torch
+        reference then). The layer ops of `pagedllm.ops` choose through this, and so does
+        the core's sampler, which may not import `pagedllm.ops`."""
+        for impl in self.op_impls.get(op, []):
+            if not impl.check(device, dtype):
+                return impl
+        return None
+
     def model_class(self, architectures: list[str]) -> type[CausalLM]:
         for arch in architectures:
             if arch in self.model_architectures:

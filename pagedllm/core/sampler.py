@@ -18,7 +18,7 @@ from typing import Any, Sequence
 import torch
 
 from pagedllm.core.contracts.logits import bitmask_bias, bitmask_empty, bitmask_words, pack_bitmask
-from pagedllm import ops
+from pagedllm.core.plugins import get_registry
 from pagedllm.core.request import Request, SamplingParams
 
 
@@ -276,13 +276,13 @@ def logprob_entries(raw: torch.Tensor, tokens: torch.Tensor, wanted: Sequence[in
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's first maximal index, as `argmax` (NaN counts as the maximum there too),
-    through the `argmax_rows` op: a plugin may serve it (the native CPU kernel reads the
-    logits once; torch's `max(dim).indices`, 0.6x argmax's time, still took 0.9-1.2 ms of
-    a 32-row SmolLM2 step)."""
-    if logits.dim() != 2:
-        return logits.max(dim=-1).indices
-    return ops.argmax_rows(logits)
+    """Each row's first maximal index, as `argmax` (NaN counts as the maximum there too).
+
+    A plugin's implementation of the `argmax_rows` op serves it where one runs here (the
+    native CPU kernel reads the logits once: 0.18 ms for 32 x 49152 against 0.95 ms);
+    else `max(dim).indices`, which gives argmax's answer in 0.6x its time on the CPU."""
+    impl = get_registry().op_impl("argmax_rows", logits.device, logits.dtype) if logits.dim() == 2 else None
+    return impl.fn(logits) if impl is not None else logits.max(dim=-1).indices
 
 
 CANDIDATES = 1024  # leading tokens a nucleus (top-p) row is first looked for in

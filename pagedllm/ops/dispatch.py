@@ -49,10 +49,10 @@ class Op:
     def impl_for(self, device: torch.device, dtype: torch.dtype) -> OpImpl | None:
         """The plugin implementation chosen for tensors of `device` and `dtype` (None: the
         torch reference)."""
-        for impl in _impls(self.name):
-            if not impl.check(device, dtype):
-                return impl
-        return None
+        from pagedllm.core.plugins import get_registry
+
+        _impls(self.name)  # refuses implementations of ops nobody defines
+        return get_registry().op_impl(self.name, device, dtype)
 
     def _choose(self, device: torch.device, dtype: torch.dtype) -> Callable[..., Any]:
         impl = self.impl_for(device, dtype)

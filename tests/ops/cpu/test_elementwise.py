@@ -74,7 +74,10 @@ def test_greedy_sampling_takes_the_argmax_op():
     serves for CPU float32 logits) and agrees with torch."""
     gen = torch.Generator().manual_seed(2)
     logits = torch.randn(8, 300, generator=gen)
+    from pagedllm.core.plugins import get_registry
     from pagedllm.core.sampler import _argmax
+    impl = get_registry().op_impl("argmax_rows", logits.device, logits.dtype)
+    assert impl is not None and impl.name == "cpu_native", "the sampler would not take the native kernel"
     assert torch.equal(_argmax(logits), logits.argmax(dim=-1))
     assert torch.equal(ops.argmax_rows(logits), logits.argmax(dim=-1))
 

@@ -67,7 +67,8 @@ def test_offered_for_float32_cpu_only():
     assert cpu_ops.float32_cpu(torch.device("cpu"), torch.bfloat16), "bfloat16 must be refused"
     assert cpu_ops.float32_cpu(torch.device("cuda"), torch.float32), "CUDA tensors must be refused"
     names = {(impl.op, impl.name) for impl in cpu_ops.OP_IMPLS}
-    assert {op for op, _ in names} == {"rms_norm", "silu_and_mul", "rotary_qkv", "gather_rows", "pack_linear", "pack_moe"}
+    assert {op for op, _ in names} == {"rms_norm", "silu_and_mul", "rotary_qkv", "gather_rows", "argmax_rows",
+                                          "pack_linear", "pack_moe"}
     assert ("pack_linear", "cpu_packed_bf16") in names
 
 
