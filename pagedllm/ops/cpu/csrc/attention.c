@@ -327,95 +327,95 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
             int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, n = pos + 1 - start;
             const int32_t *bt = block_tables + r * bt_stride;
             for (int64_t kh = kh0; kh < kh0 + per; kh++) {
-            const void **kptr = (const void **)(scores + G * max_seq_len), **vptr = kptr + max_seq_len;
-            for (int64_t j = 0; j < n; j++) {
-                int64_t p = start + j, slot = (int64_t)bt[p / block_size] * block_size + p % block_size;
-                kptr[j] = (const char *)key_cache + (slot * row + kh * D) * esize;
-                vptr[j] = (const char *)value_cache + (slot * row + kh * D) * esize;
-            }
-            /* the loops below prefetch PD_PREFETCH_ROWS rows ahead: start the rows before
-             * that distance now, all at once (many misses in flight, not one per row) */
-#if PD_AVX2
-            prefetch_rows((const void *const *)kptr, n, PD_PREFETCH_ROWS, D * esize);
-            prefetch_rows((const void *const *)vptr, n, PD_PREFETCH_ROWS, D * esize);
-#endif
-            /* the float32 paths below read these as float rows (a bf16 cache never gets there) */
-            const float *const *krow = (const float *const *)kptr, *const *vrow = (const float *const *)vptr;
-            const float *qt = q + qrow * q_stride + kh * G * D; /* this kv head's G query heads */
-            float *ot = out + (qrow * H + kh * G) * D;
-#if PD_AVX512
-            if (kv_bf16) {
-                attend_avx512(1, qt, kptr, vptr, n, G, D, scale, soft_cap, scores, max_seq_len, ot);
-                continue;
-            }
-            if (D % 16 == 0) {
-                attend_avx512(0, qt, kptr, vptr, n, G, D, scale, soft_cap, scores, max_seq_len, ot);
-                continue;
-            }
-#endif
-            int64_t g = 0;
-#if PD_AVX2
-            /* two query heads per pass over the keys: each key chunk is loaded once */
-            if (D % 8 == 0)
-                for (; g + 2 <= G; g += 2) {
-                    float *s0 = scores + g * max_seq_len, *s1 = s0 + max_seq_len;
-                    int64_t j = 0;
-                    for (; j + 4 <= n; j += 4) {
-                        if (g == 0)
-                            prefetch_rows((const void *const *)(krow + j + PD_PREFETCH_ROWS), n - j - PD_PREFETCH_ROWS,
-                                          4, D * 4);
-                        __m256 both = dot4x2_avx2(qt + g * D, qt + (g + 1) * D, krow + j, D);
-                        _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(both));
-                        _mm_storeu_ps(s1 + j, _mm256_extractf128_ps(both, 1));
-                    }
-                    for (; j < n; j++) {
-                        s0[j] = dot(qt + g * D, krow[j], D);
-                        s1[j] = dot(qt + (g + 1) * D, krow[j], D);
-                    }
-                }
-#endif
-            for (; g < G; g++) {
-                const float *qh = qt + g * D;
-                float *s = scores + g * max_seq_len;
-                int64_t j = 0;
-#if PD_AVX2
-                if (D % 8 == 0)
-                    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, dot8_avx2(qh, krow + j, D));
-#endif
-                for (; j < n; j++) s[j] = dot(qh, krow[j], D);
-            }
-            for (g = 0; g < G; g++) {
-                float *s = scores + g * max_seq_len, mx = -INFINITY;
+                const void **kptr = (const void **)(scores + G * max_seq_len), **vptr = kptr + max_seq_len;
                 for (int64_t j = 0; j < n; j++) {
-                    float sc = s[j] * scale;
-                    s[j] = sc = soft_cap > 0.0f ? soft_cap * tanhf(sc / soft_cap) : sc;
-                    mx = sc > mx ? sc : mx;
+                    int64_t p = start + j, slot = (int64_t)bt[p / block_size] * block_size + p % block_size;
+                    kptr[j] = (const char *)key_cache + (slot * row + kh * D) * esize;
+                    vptr[j] = (const char *)value_cache + (slot * row + kh * D) * esize;
                 }
-                float inv = 1.0f / exp_sub_sum(s, n, mx);
-                for (int64_t j = 0; j < n; j++) s[j] *= inv;
-            }
-            int64_t d = 0;
+                /* the loops below prefetch PD_PREFETCH_ROWS rows ahead: start the rows before
+                 * that distance now, all at once (many misses in flight, not one per row) */
 #if PD_AVX2
-            /* up to three heads at a time, 32 dimensions at a time: each value chunk is
-             * loaded once for all of them */
-            for (; d + 32 <= D; d += 32)
-                for (g = 0; g < G; g += 3) {
-                    int heads = G - g < 3 ? (int)(G - g) : 3;
-                    const float *p = scores + g * max_seq_len;
-                    float *o = ot + g * D + d;
-                    if (heads == 3) weighted_sum32_avx2(3, p, max_seq_len, vrow, n, d, o, D);
-                    else if (heads == 2) weighted_sum32_avx2(2, p, max_seq_len, vrow, n, d, o, D);
-                    else weighted_sum32_avx2(1, p, max_seq_len, vrow, n, d, o, D);
+                prefetch_rows((const void *const *)kptr, n, PD_PREFETCH_ROWS, D * esize);
+                prefetch_rows((const void *const *)vptr, n, PD_PREFETCH_ROWS, D * esize);
+#endif
+                /* the float32 paths below read these as float rows (a bf16 cache never gets there) */
+                const float *const *krow = (const float *const *)kptr, *const *vrow = (const float *const *)vptr;
+                const float *qt = q + qrow * q_stride + kh * G * D; /* this kv head's G query heads */
+                float *ot = out + (qrow * H + kh * G) * D;
+#if PD_AVX512
+                if (kv_bf16) {
+                    attend_avx512(1, qt, kptr, vptr, n, G, D, scale, soft_cap, scores, max_seq_len, ot);
+                    continue;
+                }
+                if (D % 16 == 0) {
+                    attend_avx512(0, qt, kptr, vptr, n, G, D, scale, soft_cap, scores, max_seq_len, ot);
+                    continue;
                 }
 #endif
-            if (d < D)
-                for (g = 0; g < G; g++) {
-                    const float *p = scores + g * max_seq_len;
-                    float *o = ot + g * D;
-                    memset(o + d, 0, (size_t)(D - d) * sizeof(float));
-                    for (int64_t j = 0; j < n; j++)
-                        for (int64_t e = d; e < D; e++) o[e] += p[j] * vrow[j][e];
+                int64_t g = 0;
+#if PD_AVX2
+                /* two query heads per pass over the keys: each key chunk is loaded once */
+                if (D % 8 == 0)
+                    for (; g + 2 <= G; g += 2) {
+                        float *s0 = scores + g * max_seq_len, *s1 = s0 + max_seq_len;
+                        int64_t j = 0;
+                        for (; j + 4 <= n; j += 4) {
+                            if (g == 0)
+                                prefetch_rows((const void *const *)(krow + j + PD_PREFETCH_ROWS),
+                                              n - j - PD_PREFETCH_ROWS, 4, D * 4);
+                            __m256 both = dot4x2_avx2(qt + g * D, qt + (g + 1) * D, krow + j, D);
+                            _mm_storeu_ps(s0 + j, _mm256_castps256_ps128(both));
+                            _mm_storeu_ps(s1 + j, _mm256_extractf128_ps(both, 1));
+                        }
+                        for (; j < n; j++) {
+                            s0[j] = dot(qt + g * D, krow[j], D);
+                            s1[j] = dot(qt + (g + 1) * D, krow[j], D);
+                        }
+                    }
+#endif
+                for (; g < G; g++) {
+                    const float *qh = qt + g * D;
+                    float *s = scores + g * max_seq_len;
+                    int64_t j = 0;
+#if PD_AVX2
+                    if (D % 8 == 0)
+                        for (; j + 8 <= n; j += 8) _mm256_storeu_ps(s + j, dot8_avx2(qh, krow + j, D));
+#endif
+                    for (; j < n; j++) s[j] = dot(qh, krow[j], D);
                 }
+                for (g = 0; g < G; g++) {
+                    float *s = scores + g * max_seq_len, mx = -INFINITY;
+                    for (int64_t j = 0; j < n; j++) {
+                        float sc = s[j] * scale;
+                        s[j] = sc = soft_cap > 0.0f ? soft_cap * tanhf(sc / soft_cap) : sc;
+                        mx = sc > mx ? sc : mx;
+                    }
+                    float inv = 1.0f / exp_sub_sum(s, n, mx);
+                    for (int64_t j = 0; j < n; j++) s[j] *= inv;
+                }
+                int64_t d = 0;
+#if PD_AVX2
+                /* up to three heads at a time, 32 dimensions at a time: each value chunk is
+                 * loaded once for all of them */
+                for (; d + 32 <= D; d += 32)
+                    for (g = 0; g < G; g += 3) {
+                        int heads = G - g < 3 ? (int)(G - g) : 3;
+                        const float *p = scores + g * max_seq_len;
+                        float *o = ot + g * D + d;
+                        if (heads == 3) weighted_sum32_avx2(3, p, max_seq_len, vrow, n, d, o, D);
+                        else if (heads == 2) weighted_sum32_avx2(2, p, max_seq_len, vrow, n, d, o, D);
+                        else weighted_sum32_avx2(1, p, max_seq_len, vrow, n, d, o, D);
+                    }
+#endif
+                if (d < D)
+                    for (g = 0; g < G; g++) {
+                        const float *p = scores + g * max_seq_len;
+                        float *o = ot + g * D;
+                        memset(o + d, 0, (size_t)(D - d) * sizeof(float));
+                        for (int64_t j = 0; j < n; j++)
+                            for (int64_t e = d; e < D; e++) o[e] += p[j] * vrow[j][e];
+                    }
             }
         }
         free(scores);
