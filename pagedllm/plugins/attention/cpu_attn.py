@@ -3,8 +3,10 @@
 The TORCH reference gathers whole blocks of every request into a padded tensor each
 layer, then runs SDPA: on a CPU, that copy is as expensive as the attention itself.
 Here the C kernel (ops/cpu/csrc) walks each request's block table and reads keys
-and values in place, for decodes and for prefill chunks up to `NATIVE_MAX_QUERY_LEN`
-tokens; longer chunks go through the reference path, where torch's fused SDPA wins.
+and values in place, for decodes and for prefill chunks: of any length where it
+attends them 16 rows at a time (AVX-512 builds, head sizes of 16s), else up to
+`NATIVE_MAX_QUERY_LEN` tokens, longer chunks going through the reference path, where
+torch's fused SDPA then wins.
 Same cache layout as TORCH: [2, num_blocks, block_size, num_kv_heads, head_size].
 The kernels compute in float32. The cache is bf16 where that is exact (a bf16 model) or
 allowed (a float32 model under "medium" matmul precision, core/precision.py: the GGUF
@@ -33,11 +35,14 @@ from pagedllm.core.contracts import (
 from pagedllm.plugins.attention.torch_ref import AttentionGroup, TorchAttentionImpl, _group
 from pagedllm.ops.cpu import features, native
 
-# Query chunks longer than this attend through torch's SDPA (see the module doc). Measured
-# on a 2-core Zen 5, one causal prompt (9 query / 3 kv heads of 64, per layer): the native
-# kernel took 0.6 / 3.3 / 8.8 / 35.8 ms at 256 / 620 / 1024 / 2048 tokens over a bf16 cache
-# (3.3 / 11.2 / 48.3 ms from 620 over a float32 one) where SDPA took 1.2 / 6.2 / 13.6 / 45.3,
-# and a 620-token SmolLM2 prefill went 1.10-1.43x faster with this at 1024 than at 256.
+# Where the kernel attends row at a time (no prefill tiles for this head size, or a build
+# without the 512-bit path), query chunks longer than this go through torch's SDPA (see the
+# module doc). Measured on a 2-core Zen 5, one causal prompt (9 query / 3 kv heads of 64,
+# per layer): the row path took 0.6 / 3.3 / 8.8 / 35.8 ms at 256 / 620 / 1024 / 2048 tokens
+# over a bf16 cache (3.3 / 11.2 / 48.3 ms from 620 over a float32 one) where SDPA took
+# 1.2 / 6.2 / 13.6 / 45.3. With tiles (`native.attention_tiles`) every chunk stays native:
+# 1.6 / 4.9 / 17.8 / 66.6 ms at 620 / 1024 / 2048 / 4096 tokens where SDPA took
+# - / 13.8 / 48.8 / 146.7 (SDPA alone, without the reference path's gather).
 NATIVE_MAX_QUERY_LEN = 1024
 # Block tables are padded to a multiple of this many blocks, so their shape (part of a
 # recorded step's key, see plugins/cpu_native/replay.py) changes once per 512 tokens, not 16.
@@ -60,15 +65,23 @@ class CpuAttentionMetadata:
 
 
 class CpuMetadataBuilder(AttentionMetadataBuilder):
+    def __init__(self, spec: AttentionSpec) -> None:
+        super().__init__(spec)
+        # the longest chunk the native kernel takes; a layer with a soft cap (Gemma 2) attends
+        # row at a time even where tiles exist: still correct, slower than SDPA past 1024
+        tiles = native.attention_tiles(spec.head_size, spec.num_heads // spec.num_kv_heads)
+        self.max_native = None if tiles else NATIVE_MAX_QUERY_LEN
+
     def build(self, layout: BatchLayout) -> CpuAttentionMetadata:
         q_lens = layout.query_lens_cpu
         qsl = layout.query_start_loc_cpu
-        long = (q_lens > NATIVE_MAX_QUERY_LEN).nonzero().flatten().tolist()
+        limit = self.max_native
+        long = [] if limit is None else (q_lens > limit).nonzero().flatten().tolist()
         if not long:
             reqs = slice(None)
             native_lens = q_lens
         else:
-            keep = (q_lens <= NATIVE_MAX_QUERY_LEN) & (q_lens > 0)
+            keep = (q_lens <= limit) & (q_lens > 0)
             reqs = keep.nonzero().flatten()
             native_lens = q_lens[reqs]
         query_start = torch.zeros(native_lens.shape[0] + 1, dtype=torch.int32)

@@ -194,6 +194,57 @@ def test_paged_attention_splits_work_either_way_alike(bf16):
             f"request {r} ({MIXED[r][1]} rows) differs alone and in the batch"
 
 
+# prefill chunks the kernel takes by tiles of 16 query rows (where native.attention_tiles):
+# several tiles with a partial last one, a chunk after a long cached prefix (its first tile
+# starts mid-block), exactly one tile, four whole tiles, and decode rows beside them
+TILED = [(0, 37), (100, 33), (5, 16), (0, 64), (20, 1), (3, 2)]
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bf16"])
+@pytest.mark.parametrize(("group", "head_size", "block_size", "window"),
+                         [(1, 64, 16, 0), (3, 64, 16, 0), (5, 128, 32, 0), (2, 48, 16, 0), (3, 64, 16, 24),
+                          (4, 64, 32, 1), (1, 16, 16, 40), (2, 80, 16, 0)])
+def test_paged_attention_prefill_tiles_match_float64(bf16, group, head_size, block_size, window):
+    """The tiles' online softmax (running max and sum over 16-key chunks, causal and window
+    masks per lane) against float64, within float32 error."""
+    if not native.attention_tiles(head_size, group):
+        pytest.skip("this build attends row at a time (no 512-bit path)")
+    case = PagedCase(TILED, group * 2, 2, head_size, block_size, seed=group * 100 + head_size + window)
+    if bf16:
+        case.key_cache, case.value_cache = case.key_cache.bfloat16(), case.value_cache.bfloat16()
+    scale = head_size**-0.5
+    out = torch.full((case.num_tokens, case.h, case.d), float("nan"))
+    case.run(list(range(len(TILED))), out, scale, window=window)
+    for r, (cached, new) in enumerate(TILED):
+        expected = case.reference(r, scale, window=window)
+        assert_close_to(out[case.rows(r)], expected, 1e-5 + 1e-5 * expected.abs(),
+                        f"tiles: request {r} (cached {cached}, new {new}), G={group} D={head_size} "
+                        f"block {block_size} window {window} {'bf16' if bf16 else 'float32'}")
+
+
+def test_paged_attention_prefill_tiles_do_not_depend_on_the_batch():
+    """A tiled chunk alone equals itself beside decodes and other chunks (each tile is one
+    work item whoever else is in the step)."""
+    if not native.attention_tiles(64, 3):
+        pytest.skip("this build attends row at a time (no 512-bit path)")
+    case = PagedCase(TILED, 6, 2, 64, 16, seed=5)
+    together = torch.full((case.num_tokens, case.h, case.d), float("nan"))
+    case.run(list(range(len(TILED))), together, 0.125)
+    for r in range(len(TILED)):
+        alone = torch.full((case.num_tokens, case.h, case.d), float("nan"))
+        case.run([r], alone, 0.125)
+        assert torch.equal(alone[case.rows(r)], together[case.rows(r)]), f"request {r} differs alone and in the batch"
+
+
+def test_attention_tiles_need_the_512_bit_path_and_16s():
+    if not native.bf16_kv_available():
+        assert not native.attention_tiles(64, 3), "tiles claimed by a build without the 512-bit path"
+        return
+    assert native.attention_tiles(64, 3) and native.attention_tiles(128, 16)
+    assert not native.attention_tiles(72, 2), "head size 72 is not a multiple of 16"
+    assert not native.attention_tiles(64, 17), "more than 16 query heads per kv head"
+
+
 def test_paged_attention_skips_requests_without_query_rows():
     """A request with q_len 0 in the middle of the list (its running count does not move)."""
     requests = [(20, 3), (40, 0), (0, 5), (9, 1)]

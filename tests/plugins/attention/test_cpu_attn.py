@@ -3,8 +3,9 @@
 Each case is one step on a random paged batch (shuffled, non-contiguous blocks) mixing
 decodes with prefill chunks after cached tokens. Both backends start from the same cache;
 outputs must match and the written cache must be identical. Chunks longer than
-NATIVE_MAX_QUERY_LEN go through the reference path inside CPU_ATTN: tests lower the
-threshold so one step mixes both paths. Also: `check()` says why CPU_ATTN cannot run,
+NATIVE_MAX_QUERY_LEN go through the reference path inside CPU_ATTN where the kernel
+attends row at a time: tests lower the threshold (and turn the prefill tiles off) so one
+step mixes both paths; with tiles every chunk stays native. Also: `check()` says why CPU_ATTN cannot run,
 auto-selection prefers it on the CPU, and a whole-engine run gives TORCH's tokens.
 """
 
@@ -108,6 +109,7 @@ LONG_CASES = {
 def test_long_chunks_take_the_reference_path(make_paged_batch, monkeypatch, requests, threshold,
                                              attention_options, long_reqs):
     monkeypatch.setattr(cpu_attn, "NATIVE_MAX_QUERY_LEN", threshold)
+    monkeypatch.setattr(native, "attention_tiles", lambda head_size, group: False)
     batch = make_paged_batch(requests, num_heads=8, num_kv_heads=2)
     metadata = compare(batch, **attention_options)
     qsl = batch.layout.query_start_loc_cpu.tolist()
@@ -117,6 +119,21 @@ def test_long_chunks_take_the_reference_path(make_paged_batch, monkeypatch, requ
     native_reqs = [i for i in range(len(requests)) if i not in long_reqs]
     assert metadata.num_native == len(native_reqs)
     assert metadata.row_start.tolist() == [qsl[i] for i in native_reqs], "native rows do not start where they should"
+
+
+@needs_native
+@pytest.mark.parametrize("attention_options", [dict(), dict(window=40)], ids=["plain", "window"])
+def test_prefill_tiles_keep_long_chunks_native(make_paged_batch, monkeypatch, attention_options):
+    """Where the kernel attends prefill chunks by tiles, no chunk goes to the reference path
+    however long (the threshold lowered to 4 here), and the results still match it."""
+    if not native.attention_tiles(64, 4):
+        pytest.skip("this build attends row at a time (no 512-bit path)")
+    monkeypatch.setattr(cpu_attn, "NATIVE_MAX_QUERY_LEN", 4)
+    requests = [(0, 40), (30, 17), (5, 1), (100, 33), (16, 16)]
+    batch = make_paged_batch(requests, num_heads=8, num_kv_heads=2)
+    metadata = compare(batch, **attention_options)
+    assert metadata.num_native == len(requests) and not metadata.long_groups, \
+        "a long chunk left the native kernel although it attends by tiles"
 
 
 @needs_native
@@ -130,6 +147,7 @@ def test_requests_without_new_tokens_are_harmless(make_paged_batch, monkeypatch)
     assert torch.equal(cache, ref_cache)
     torch.testing.assert_close(out, ref_out, atol=TOLERANCE, rtol=TOLERANCE)
     monkeypatch.setattr(cpu_attn, "NATIVE_MAX_QUERY_LEN", 4)
+    monkeypatch.setattr(native, "attention_tiles", lambda head_size, group: False)
     out, cache, metadata = run_backend(CpuAttnBackend, batch)
     assert metadata.num_native == 2 and len(metadata.long_groups) == 1
     torch.testing.assert_close(out, ref_out, atol=TOLERANCE, rtol=TOLERANCE)
@@ -225,6 +243,7 @@ def logprob_rows(output):
 @pytest.mark.parametrize("threshold", [cpu_attn.NATIVE_MAX_QUERY_LEN, 4], ids=["native", "long-prompt-on-reference"])
 def test_cpu_attn_matches_torch(tiny_model_dir, monkeypatch, threshold):
     monkeypatch.setattr(cpu_attn, "NATIVE_MAX_QUERY_LEN", threshold)
+    monkeypatch.setattr(native, "attention_tiles", lambda head_size, group: False)  # row path + SDPA
     calls = {"native": 0, "reference": 0}
 
     def count(name, fn):

@@ -6,7 +6,7 @@
  *                  repacked weights decoded panel by panel into the same GEMM)
  *   elementwise.c  pd_rms_norm, pd_silu_mul, pd_rope_neox, pd_gather_rows, pd_argmax_rows
  *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention (+ _bf16 variants,
- *                  pd_has_bf16_kv)
+ *                  pd_has_bf16_kv), pd_attention_tiles
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear
  *   bf16dot.c      the same tiles on AVX512-BF16 dot products: pd_has_bf16dot, pd_bf16dot_linear
  *   vnni.c         ggml 4/8-bit weights x 14-bit integer activations on AVX512-VNNI (few rows):
@@ -57,7 +57,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 10
+#define PD_ABI_VERSION 11
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
