@@ -147,14 +147,22 @@ static inline __attribute__((always_inline)) void weighted_sum32_avx2(int heads,
 #endif
 
 #if PD_AVX512
-/* One work item of pd_paged_attention with 512-bit vectors (D a multiple of 16): the G
- * query heads at qt against n keys and values (row pointers krow, vrow: float32 rows, or
- * bf16 rows where kv_bf16), scores in scores[g * ld + j], output at ot[g * D]. Same steps
- * as the AVX2 path; keys are scored eight at a time for two heads per pass, values
- * summed for up to four heads. kv_bf16 is a constant at every call (always_inline). */
+/* exp(x) on 16 lanes, the same values as exp_avx2 on 8 (clamped to [-87, 88], degree-6
+ * polynomial on the fraction; the power of two applied with scalef, exact for these
+ * normal results) */
 static inline __m512 exp_avx512(__m512 x) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(exp_avx2(_mm512_castps512_ps256(x))),
-                              exp_avx2(_mm512_extractf32x8_ps(x, 1)), 1);
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
 }
 
 /* 16 cache values from element d of a row, widened to float32 (bf16 -> float32 is exact) */
@@ -269,6 +277,11 @@ static inline __attribute__((always_inline)) void wsum_avx512(int heads, int nz,
     default: wsum_avx512(1, nz, kv_bf16, p, ld, vrow, n, d, D, o); break;                   \
     }
 
+/* One work item of pd_paged_attention with 512-bit vectors (D a multiple of 16): the G
+ * query heads at qt against n keys and values (row pointers krow, vrow: float32 rows, or
+ * bf16 rows where kv_bf16), scores in scores[g * ld + j], output at ot[g * D]. Same steps
+ * as the AVX2 path; keys are scored eight at a time for two heads per pass, values
+ * summed for up to four heads. kv_bf16 is a constant at every call (always_inline). */
 static inline __attribute__((always_inline)) void attend_avx512(int kv_bf16, const float *qt,
                                                                 const void *const *krow, const void *const *vrow,
                                                                 int64_t n, int64_t G, int64_t D, float scale,
@@ -304,22 +317,6 @@ static inline __attribute__((always_inline)) void attend_avx512(int kv_bf16, con
  * sums rescaled when the max grows), all in float32: the same values as the row path up
  * to summation order. Work item = (request, kv head, tile); its G query heads share the
  * widened chunks. */
-/* exp(x) on 16 lanes: as exp_avx2 (clamped to [-87, 88], degree-6 polynomial on the
- * fraction), the power of two applied with scalef */
-static inline __m512 exp16_avx512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* Keys (or values) j0 .. j0 + n - 1 of kv head kh, widened to float32 rows dst[16][D];
  * rows from n on are zero. */
@@ -388,9 +385,9 @@ static inline __attribute__((always_inline)) void attend_tile_avx512(
             __m512 mnew = _mm512_max_ps(m[g], cmax);
             /* a lane with no key seen yet keeps max -inf: exponents against 0 then give 0 */
             __m512 muse = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(mnew, ninf, _CMP_EQ_OQ), mnew, _mm512_setzero_ps());
-            __m512 corr = exp16_avx512(_mm512_sub_ps(m[g], muse)), psum = _mm512_setzero_ps();
+            __m512 corr = exp_avx512(_mm512_sub_ps(m[g], muse)), psum = _mm512_setzero_ps();
             for (int j = 0; j < PD_TILE; j++) {
-                sc[j] = exp16_avx512(_mm512_sub_ps(sc[j], muse));
+                sc[j] = exp_avx512(_mm512_sub_ps(sc[j], muse));
                 psum = _mm512_add_ps(psum, sc[j]);
             }
             lsum[g] = _mm512_fmadd_ps(lsum[g], corr, psum);
