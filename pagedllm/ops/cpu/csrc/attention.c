@@ -147,21 +147,16 @@ static inline __attribute__((always_inline)) void weighted_sum32_avx2(int heads,
 #endif
 
 #if PD_AVX512
-/* exp(x) on 16 lanes, the same values as exp_avx2 on 8 (clamped to [-87, 88], degree-6
- * polynomial on the fraction; the power of two applied with scalef, exact for these
- * normal results) */
+/* exp(x) on 16 lanes, the same values as exp_avx2 on 8 (pd_kernels.h: clamped to [-87,
+ * 88], PD_EXP_POLY on the fraction; the power of two applied with scalef, exact for
+ * these normal results) */
 static inline __m512 exp_avx512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
     __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
     __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    __m512 p = _mm512_set1_ps(PD_EXP_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PD_EXP_POLY[i]));
     return _mm512_scalef_ps(p, n);
 }
 

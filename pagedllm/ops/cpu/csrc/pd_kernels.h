@@ -123,21 +123,19 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 }
 
 /* exp(x), vectorised: 2^(x log2 e) split into an integer power of two and a degree-6
- * polynomial on [-0.5, 0.5]; relative error below 2e-7. Inputs are clamped to
- * [-87, 88] (results stay normal floats). */
+ * polynomial on [-0.5, 0.5] (PD_EXP_POLY, highest power first); relative error below
+ * 2e-7. Inputs are clamped to [-87, 88] (results stay normal floats). attention.c's
+ * exp_avx512 is the same on 16 lanes. */
+static const float PD_EXP_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
+                                     5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
 #if PD_AVX2
 static inline __m256 exp_avx2(__m256 x) {
     x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 t = _mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f));
     __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 f = _mm256_sub_ps(t, n); /* [-0.5, 0.5] */
-    __m256 p = _mm256_set1_ps(1.535336188319500e-4f);
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.339887440266574e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(9.618437357674640e-3f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(5.550332471162809e-2f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(2.402264791363012e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(6.931472028550421e-1f));
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(1.0f));
+    __m256 p = _mm256_set1_ps(PD_EXP_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PD_EXP_POLY[i]));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
