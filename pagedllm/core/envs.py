@@ -31,6 +31,10 @@ ENV_VARS: dict[str, EnvVar] = {
                "Comma-separated entry-point names of the plugins to load (default: all)."),
         EnvVar("PAGEDLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_KVCACHE_SPACE",
                "KV-cache size on the CPU in GiB when kv_cache_memory is not given (default 4)."),
+        EnvVar("PAGEDLLM_CPU_KV_PREFAULT_MB", None,
+               "MiB of the CPU KV cache (its first blocks, all layers) faulted in at start-up, so the first "
+               "requests' steps do not stall on page faults (default 256; 0: none, all faults happen as "
+               "blocks are first written)."),
         EnvVar("PAGEDLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND",
                "CPU engines: auto (default: a thread per available CPU), nobind (keep the environment's "
                "threads and affinity), or a CPU list such as 0-3 to pin the process there."),
@@ -135,6 +139,10 @@ def _positive(kind: str) -> Any:
     return check
 
 
+def _non_negative_integer(value: str) -> str | None:
+    return None if value.strip().isdigit() else "expected an integer >= 0"
+
+
 def _one_of(*choices: str) -> Any:
     return lambda value: None if value.strip().lower() in choices else f"expected one of {', '.join(choices)}"
 
@@ -153,6 +161,7 @@ def _cpu_list(value: str) -> str | None:
 VALUE_CHECKS = {
     "PAGEDLLM_CPU_KVCACHE_SPACE": _positive("number"),
     "PAGEDLLM_FUSED_MOE_CHUNK_SIZE": _positive("integer"),
+    "PAGEDLLM_CPU_KV_PREFAULT_MB": _non_negative_integer,
     "PAGEDLLM_PORT": _port,
     "PAGEDLLM_LOGGING_LEVEL": _one_of(*(level.lower() for level in LOG_LEVELS)),
     "PAGEDLLM_CPU_KERNELS": _one_of("0", "1", "true", "false", "yes", "no", "on", "off"),

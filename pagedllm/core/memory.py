@@ -40,6 +40,22 @@ class KVBudget:
         return self.num_blocks * self.block_size
 
 
+DEFAULT_CPU_KV_PREFAULT_MIB = 256
+
+
+def cpu_prefault_blocks(budget: KVBudget) -> int:
+    """How many of the CPU KV cache's first blocks (the ones handed out first) to fault in
+    at start-up: PAGEDLLM_CPU_KV_PREFAULT_MB (default 256 MiB over every layer, target and
+    proposer together), at most the whole cache."""
+    value = envs.get("PAGEDLLM_CPU_KV_PREFAULT_MB")
+    mib = DEFAULT_CPU_KV_PREFAULT_MIB
+    if value is not None:
+        if not value.strip().isdigit():
+            raise ValueError(f"{envs.source('PAGEDLLM_CPU_KV_PREFAULT_MB')}={value!r} is not a whole number of MiB")
+        mib = int(value)
+    return min(budget.num_blocks, (mib << 20) // max(1, budget.bytes_per_token * budget.block_size))
+
+
 def cpu_kv_bytes(kv_cache_memory: int | None) -> tuple[int, str]:
     if kv_cache_memory is not None:
         return kv_cache_memory, "kv_cache_memory"
