@@ -122,7 +122,7 @@ ATTN_OPTIONS = {
     "window-and-cap": dict(window=40, soft_cap=3.0, sharp=True),
 }
 # every (group, head size, block size) plain; each window / soft-cap option on three of them
-SHAPES = [(g, d, b) for g in (1, 2, 3, 4, 5) for d in (64, 128, 20) for b in (16, 32)]
+SHAPES = [(g, d, b) for g in (1, 2, 3, 4, 5) for d in (64, 128, 20) for b in (16, 32)] + [(7, 64, 16), (9, 64, 16)]
 ATTN_CASES = [pytest.param(*shape, "plain", id=f"G{shape[0]}-D{shape[1]}-B{shape[2]}-plain") for shape in SHAPES] + [
     pytest.param(*shape, option, id=f"G{shape[0]}-D{shape[1]}-B{shape[2]}-{option}")
     for option in ("window", "window-1", "soft-cap", "window-and-cap")

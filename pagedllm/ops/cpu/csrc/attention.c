@@ -200,6 +200,42 @@ static inline __attribute__((always_inline)) void score8_avx512(int heads, int k
     }
 }
 
+/* three query heads against four keys: the 12 accumulators stay in registers (three heads
+ * against eight keys did not: 24 accumulators spilled), and each key is widened once for
+ * the three heads */
+static inline __attribute__((always_inline)) void score4x3_avx512(int kv_bf16, const float *q, int64_t D,
+                                                                  const void *const *k, float *s, int64_t ld) {
+    __m512 a[12];
+    for (int i = 0; i < 12; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) {
+        __m512 q0 = _mm512_loadu_ps(q + d), q1 = _mm512_loadu_ps(q + D + d), q2 = _mm512_loadu_ps(q + 2 * D + d);
+        for (int i = 0; i < 4; i++) {
+            __m512 kv = kv_load16(k[i], d, kv_bf16);
+            a[i] = _mm512_fmadd_ps(q0, kv, a[i]);
+            a[4 + i] = _mm512_fmadd_ps(q1, kv, a[4 + i]);
+            a[8 + i] = _mm512_fmadd_ps(q2, kv, a[8 + i]);
+        }
+    }
+    for (int h = 0; h < 3; h++) {
+        __m256 r[4];
+        for (int i = 0; i < 4; i++)
+            r[i] = _mm256_add_ps(_mm512_castps512_ps256(a[4 * h + i]), _mm512_extractf32x8_ps(a[4 * h + i], 1));
+        __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(r[0], r[1]), _mm256_hadd_ps(r[2], r[3]));
+        _mm_storeu_ps(s + h * ld, _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+    }
+}
+
+static void score_keys3_avx512(int kv_bf16, const float *q, int64_t D, const void *const *krow, int64_t n,
+                               float *s, int64_t ld) {
+    int64_t j = 0, bytes = D * (kv_bf16 ? 2 : 4);
+    for (; j + 4 <= n; j += 4) {
+        prefetch_rows(krow + j + PD_PREFETCH_ROWS, n - j - PD_PREFETCH_ROWS, 4, bytes);
+        score4x3_avx512(kv_bf16, q, D, krow + j, s + j, ld);
+    }
+    for (; j < n; j++)
+        for (int h = 0; h < 3; h++) s[h * ld + j] = dot_kv_avx512(q + h * D, krow[j], D, kv_bf16);
+}
+
 static inline __attribute__((always_inline)) void score_keys_avx512(int heads, int kv_bf16, const float *q,
                                                                     int64_t D, const void *const *krow, int64_t n,
                                                                     float *s, int64_t ld) {
@@ -283,6 +319,7 @@ static inline __attribute__((always_inline)) void attend_avx512(int kv_bf16, con
                                                                 float soft_cap, float *scores, int64_t ld,
                                                                 float *ot) {
     int64_t g = 0;
+    for (; G - g == 3 || G - g > 4; g += 3) score_keys3_avx512(kv_bf16, qt + g * D, D, krow, n, scores + g * ld, ld);
     for (; g + 2 <= G; g += 2) score_keys_avx512(2, kv_bf16, qt + g * D, D, krow, n, scores + g * ld, ld);
     if (g < G) score_keys_avx512(1, kv_bf16, qt + g * D, D, krow, n, scores + g * ld, ld);
     for (g = 0; g < G; g++) softmax_row_avx512(scores + g * ld, n, scale, soft_cap);
