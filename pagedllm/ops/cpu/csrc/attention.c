@@ -528,10 +528,17 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
             const int32_t *bt = block_tables + r * bt_stride;
             for (int64_t kh = kh0; kh < kh0 + per; kh++) {
                 const void **kptr = (const void **)(scores + G * max_seq_len), **vptr = kptr + max_seq_len;
-                for (int64_t j = 0; j < n; j++) {
-                    int64_t p = start + j, slot = (int64_t)bt[p / block_size] * block_size + p % block_size;
-                    kptr[j] = (const char *)key_cache + (slot * row + kh * D) * esize;
-                    vptr[j] = (const char *)value_cache + (slot * row + kh * D) * esize;
+                /* block by block: one division per block, not two per key */
+                for (int64_t j = 0, p = start; j < n;) {
+                    int64_t blk = p / block_size, o = p - blk * block_size;
+                    int64_t take = block_size - o < n - j ? block_size - o : n - j;
+                    int64_t at = (((int64_t)bt[blk] * block_size + o) * row + kh * D) * esize, stride = row * esize;
+                    const char *kb = (const char *)key_cache + at, *vb = (const char *)value_cache + at;
+                    for (int64_t u = 0; u < take; u++) {
+                        kptr[j + u] = kb + u * stride;
+                        vptr[j + u] = vb + u * stride;
+                    }
+                    j += take, p += take;
                 }
                 /* the loops below prefetch PD_PREFETCH_ROWS rows ahead: start the rows before
                  * that distance now, all at once (many misses in flight, not one per row) */
