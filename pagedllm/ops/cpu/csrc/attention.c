@@ -147,19 +147,6 @@ static inline __attribute__((always_inline)) void weighted_sum32_avx2(int heads,
 #endif
 
 #if PD_AVX512
-/* exp(x) on 16 lanes, the same values as exp_avx2 on 8 (pd_kernels.h: clamped to [-87,
- * 88], PD_EXP_POLY on the fraction; the power of two applied with scalef, exact for
- * these normal results) */
-static inline __m512 exp_avx512(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(PD_EXP_POLY[0]);
-    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PD_EXP_POLY[i]));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* 16 cache values from element d of a row, widened to float32 (bf16 -> float32 is exact) */
 static inline __attribute__((always_inline)) __m512 kv_load16(const void *row, int64_t d, int kv_bf16) {
     if (kv_bf16)

@@ -79,7 +79,7 @@ void pd_bf16_pack_x(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K
 
 /* ------------------------------------------------------------------ shared helpers
  * hsum256: quant.c, attention.c and dot; dot: quant.c, pd_rms_norm, attention.c;
- * exp_avx2: pd_silu_mul, attention.c. */
+ * exp_avx2, exp_avx512: pd_silu_mul, attention.c. */
 #if PD_AVX2
 static inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -124,8 +124,9 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 
 /* exp(x), vectorised: 2^(x log2 e) split into an integer power of two and a degree-6
  * polynomial on [-0.5, 0.5] (PD_EXP_POLY, highest power first); relative error below
- * 2e-7. Inputs are clamped to [-87, 88] (results stay normal floats). attention.c's
- * exp_avx512 is the same on 16 lanes. */
+ * 2e-7. Inputs are clamped to [-87, 88] (results stay normal floats). exp_avx512 is the
+ * same on 16 lanes (the same values: the power of two applied with scalef, exact for these
+ * normal results). */
 static const float PD_EXP_POLY[7] = {1.535336188319500e-4f, 1.339887440266574e-3f, 9.618437357674640e-3f,
                                      5.550332471162809e-2f, 2.402264791363012e-1f, 6.931472028550421e-1f, 1.0f};
 #if PD_AVX2
@@ -138,6 +139,17 @@ static inline __m256 exp_avx2(__m256 x) {
     for (int i = 1; i < 7; i++) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(PD_EXP_POLY[i]));
     __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+#endif
+#if PD_AVX512
+static inline __m512 exp_avx512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(PD_EXP_POLY[0]);
+    for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PD_EXP_POLY[i]));
+    return _mm512_scalef_ps(p, n);
 }
 #endif
 
