@@ -36,7 +36,7 @@ from pagedllm.core.request import (
     SamplingParams,
 )
 from pagedllm.core.scheduler import Scheduler, SchedulerOutput
-from pagedllm.core.spec_decode import PayoffGuard, resolve_spec_config
+from pagedllm.core.spec_decode import PayoffGuard, position_verdicts, resolve_spec_config
 from pagedllm.core.executor import EngineDeadError, make_executor
 from pagedllm.core.worker import Worker, check_split
 
@@ -288,8 +288,9 @@ class LLMEngine:
             # per decoding request: one without a draft (a probe verifies real proposals only)
             # counts as a rejected one, as its filler would have been
             got = {req.request_id: len(t) for req, t in touched}
-            guard.record_acceptance(max(len(decoding), len(drafted)),
-                                    sum(got.get(e.request.request_id, 1) > 1 for e in drafted))
+            first, deeper = position_verdicts([(len(e.spec_token_ids), got.get(e.request.request_id, 1) - 1)
+                                               for e in drafted])
+            guard.record_acceptance(max(len(decoding), len(drafted)), first, deeper)
 
     def _propose(self, touched: list[tuple[Request, list[int]]]) -> None:
         """Ask the proposer for the drafts the next step verifies (running requests only),

@@ -10,7 +10,7 @@ import pytest
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core.plugins import get_registry
-from pagedllm.core.spec_decode import PayoffGuard, SpecStats, resolve_spec_config
+from pagedllm.core.spec_decode import PayoffGuard, SpecStats, position_verdicts, resolve_spec_config
 from pagedllm.plugins.spec_decode.ngram import propose_ngram
 
 
@@ -132,6 +132,39 @@ def test_payoff_guard_discounts_the_eager_first_steps_of_a_shape():
     several times its later cost: an exploration measured by them alone would never look
     worth it, so k must still reach k_max for a lone stream with good drafts."""
     assert min(play(1, accept=0.8, per_row=0.0005, eager_first=2)[-100:]) == 4
+
+
+def test_payoff_guard_values_later_drafts_by_their_own_acceptance():
+    """First drafts accepted 0.6 of the time, later ones 0.95 given the one before (n-gram
+    drafts on a grounded text look like this): with a step costing 12 ms + 2 ms per draft,
+    5 drafts pay best (E(5) = 3.7 tokens in 22 ms); a geometric model from the first
+    draft alone (E(5) = 2.4) would settle on 2. Without deeper verdicts the guard keeps the
+    geometric model."""
+    def guard_after(deeper):
+        guard = PayoffGuard(k_max=5)
+        for _ in range(PayoffGuard.WARMUP + PayoffGuard.TRUSTED + 1):
+            for rows in range(1, 7):
+                guard.record_step(rows, 0.010 + 0.002 * rows)
+        guard.record_acceptance(100, 60, deeper)
+        guard.steps = guard.last_try = 1000  # no exploration due
+        return guard
+    later = [(60, 57), (57, 54), (54, 51), (51, 48)]
+    guard = guard_after(later)
+    assert abs(guard.expected_tokens(2) - (1 + 0.6 + 0.6 * 0.95)) < 1e-9
+    assert guard.drafts(1) == 5, "later drafts accepted 0.95: all five pay"
+    assert guard_after(()).drafts(1) == 2, "the geometric model (first-draft acceptance only)"
+    assert guard_after(later[:1]).expected_tokens(5) == pytest.approx(1 + 0.6 * sum(0.95 ** i for i in range(5)))
+
+
+def test_position_verdicts():
+    """Four requests' (drafts verified, drafts accepted): the first drafts' verdicts, then
+    per later position how many drafts reached it and how many were accepted there."""
+    first, deeper = position_verdicts([(3, 3), (3, 1), (2, 0), (5, 2)])
+    assert first == 3
+    # position 2: reached by (3,3), (3,1), (5,2) (draft 1 accepted; (2,0) stopped at 1), accepted by (3,3), (5,2)
+    # position 3: reached by (3,3), (5,2), accepted by (3,3); positions 4, 5: reached by none
+    assert deeper == [(3, 2), (2, 1), (0, 0), (0, 0)]
+    assert position_verdicts([]) == (0, [])
 
 
 def test_payoff_guard_probes_less_often_while_drafting_does_not_pay():
