@@ -90,11 +90,14 @@ class PayoffGuard:
     - E(k) = 1 + c1 + c1 c2 + ... + c1 ... ck, the expected tokens a request gets from k
       drafts, where ci is the measured acceptance of draft i given draft i - 1 was accepted
       (moving averages per position; c1 over every decoding request: fillers included, and
-      a request without a draft in a probe counts as a rejection). A position never reached
-      yet takes the deepest measured one's rate. Measured per position because acceptance
-      is far from geometric: n-gram drafts on a grounded workload were accepted 0.77 at the
-      first position and 0.87-0.90 at the later ones (given the earlier), so a geometric
-      model from the first undervalued wide steps and settled on 3 drafts where 5 paid.
+      a request without a draft in a probe counts as a rejection). A position not reached
+      in the last STALE steps takes the rate of the one before it (so a guard drafting
+      little is never stuck on an old verdict about drafts it no longer makes: it falls
+      back to the geometric model, drafts wider if that pays, and measures again).
+      Measured per position because acceptance is far from geometric: n-gram drafts on a
+      grounded workload were accepted 0.77 at the first position and 0.87-0.90 at the later
+      ones (given the earlier), so a geometric model from the first undervalued wide steps
+      and settled on 3 drafts where 5 paid.
 
     A verify step is nearly free on a GPU at small n and almost proportional to its rows on
     a CPU once a few requests batch (SmolLM2, two Sapphire Rapids cores: 64 rows take 1.6x
@@ -127,12 +130,14 @@ class PayoffGuard:
     # this: below it even free verify rows would gain under 10% (E(k) < 1 / (1 - a))
     EXPLORE_ACCEPT = 0.1
     WIDE_ROWS = 64  # a step of at most this many rows at k_max is explored at k_max at once
+    STALE = 64  # steps after which a draft position's acceptance, not measured since, is not trusted
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
         self.time: dict[int, list[float]] = {}  # row bucket -> [mean rows, mean seconds, count]
         self.accept = 0.5  # first-draft acceptance until measured
-        self.deeper: dict[int, float] = {}  # draft position (2, 3, ...) -> acceptance given the one before
+        # draft position (2, 3, ...) -> [acceptance given the one before, step last measured]
+        self.deeper: dict[int, list[float]] = {}
         self.propose_s = 0.0  # proposer seconds per drafted position
         self.steps = 0
         self.last_try = -self.EXPLORE
@@ -169,14 +174,16 @@ class PayoffGuard:
         for position, (reached, accepted) in enumerate(deeper, start=2):
             if reached:
                 rate, seen = accepted / reached, self.deeper.get(position)
-                self.deeper[position] = rate if seen is None else seen + self.ALPHA * (rate - seen)
+                fresh = seen is None or self.steps - seen[1] > self.STALE
+                self.deeper[position] = [rate if fresh else seen[0] + self.ALPHA * (rate - seen[0]), self.steps]
 
     def expected_tokens(self, k: int) -> float:
         """E(k): a request's expected tokens from a verify step with k drafts."""
         total, reach, rate = 1.0, 1.0, min(self.accept, 0.999)
         for position in range(1, k + 1):
-            if position > 1:
-                rate = min(self.deeper.get(position, rate), 0.999)
+            seen = self.deeper.get(position)
+            if position > 1 and seen is not None and self.steps - seen[1] <= self.STALE:
+                rate = min(seen[0], 0.999)
             reach *= rate
             total += reach
         return total

@@ -145,8 +145,8 @@ def test_payoff_guard_values_later_drafts_by_their_own_acceptance():
         for _ in range(PayoffGuard.WARMUP + PayoffGuard.TRUSTED + 1):
             for rows in range(1, 7):
                 guard.record_step(rows, 0.010 + 0.002 * rows)
-        guard.record_acceptance(100, 60, deeper)
         guard.steps = guard.last_try = 1000  # no exploration due
+        guard.record_acceptance(100, 60, deeper)
         return guard
     later = [(60, 57), (57, 54), (54, 51), (51, 48)]
     guard = guard_after(later)
@@ -154,6 +154,12 @@ def test_payoff_guard_values_later_drafts_by_their_own_acceptance():
     assert guard.drafts(1) == 5, "later drafts accepted 0.95: all five pay"
     assert guard_after(()).drafts(1) == 2, "the geometric model (first-draft acceptance only)"
     assert guard_after(later[:1]).expected_tokens(5) == pytest.approx(1 + 0.6 * sum(0.95 ** i for i in range(5)))
+    # a verdict not renewed for STALE steps is not trusted: the geometric model again, so a
+    # guard that came to draft little is not held there by an old low verdict
+    low = guard_after([(60, 6)])
+    assert low.drafts(1) <= 1
+    low.steps += PayoffGuard.STALE + 1
+    assert low.expected_tokens(5) == pytest.approx(sum(0.6 ** i for i in range(6)))
 
 
 def test_position_verdicts():
