@@ -102,9 +102,18 @@ class SSEResponse(StreamingResponse):
                 await closer()
 
     def _bounded(self, send: Send) -> Send:
+        # asyncio.timeout (3.11+) arms a timer per write; wait_for also wraps each write in
+        # a task: ~3x the event loop's time per event, which runs on the cores the model
+        # steps on
+        timeout = getattr(asyncio, "timeout", None)
+
         async def bounded(message: dict[str, Any]) -> None:
             try:
-                await asyncio.wait_for(send(message), self.stall_timeout)
+                if timeout is not None:
+                    async with timeout(self.stall_timeout):
+                        await send(message)
+                else:
+                    await asyncio.wait_for(send(message), self.stall_timeout)
             except asyncio.TimeoutError:
                 raise ClientStalled() from None
 

@@ -44,6 +44,18 @@ def test_rows_of_several_requests_and_empty_drafts():
         Sampler(0, torch.device("cpu")).verify(logits[:5], [req("a", temperature=0)], [[1, 2, 3, 4, 5]])
 
 
+def test_greedy_rows_beside_sampled_ones():
+    """All-greedy steps take a shorter path than steps where some row samples: a greedy
+    request must get the same tokens on either."""
+    logits = torch.full((6, VOCAB), -5.0)
+    for row, best in enumerate([1, 2, 5, 5, 4, 3]):
+        logits[row, best] = 5.0
+    alone, _ = Sampler(0, torch.device("cpu")).verify(logits[:3], [req("a", temperature=0)], [[1, 0]])
+    mixed, _ = Sampler(0, torch.device("cpu")).verify(
+        logits, [req("a", temperature=0), req("b", temperature=1.0, seed=3)], [[1, 0], [5, 4]])
+    assert alone == [[1, 2]] and mixed[0] == alone[0], f"greedy alone {alone}, beside a sampled row {mixed}"
+
+
 def test_penalties_count_earlier_drafts():
     """A repetition penalty at draft position j sees drafts 0..j-1 as generated: a token
     the run already drafted loses its lead at the next row, as it would one token later."""
