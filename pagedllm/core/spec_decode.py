@@ -173,17 +173,21 @@ class PayoffGuard:
             self.accept_seen = True
         for position, (reached, accepted) in enumerate(deeper, start=2):
             if reached:
-                rate, seen = accepted / reached, self.deeper.get(position)
-                fresh = seen is None or self.steps - seen[1] > self.STALE
-                self.deeper[position] = [rate if fresh else seen[0] + self.ALPHA * (rate - seen[0]), self.steps]
+                rate, old = accepted / reached, self._measured(position)
+                self.deeper[position] = [rate if old is None else old + self.ALPHA * (rate - old), self.steps]
+
+    def _measured(self, position: int) -> float | None:
+        """Draft position's acceptance given the one before, if measured in the last STALE steps."""
+        seen = self.deeper.get(position)
+        return seen[0] if seen is not None and self.steps - seen[1] <= self.STALE else None
 
     def expected_tokens(self, k: int) -> float:
         """E(k): a request's expected tokens from a verify step with k drafts."""
         total, reach, rate = 1.0, 1.0, min(self.accept, 0.999)
         for position in range(1, k + 1):
-            seen = self.deeper.get(position)
-            if position > 1 and seen is not None and self.steps - seen[1] <= self.STALE:
-                rate = min(seen[0], 0.999)
+            measured = self._measured(position) if position > 1 else None
+            if measured is not None:
+                rate = min(measured, 0.999)
             reach *= rate
             total += reach
         return total
