@@ -302,6 +302,8 @@ class LLMEngine:
         if spec.disable_by_batch_size is not None and len(live) >= spec.disable_by_batch_size:
             k = 0
         elif spec.adaptive and live:
+            if any(req.num_output_tokens == len(tokens) for req, tokens in live):  # its first tokens
+                self.payoff.request_started(len(live))
             k = self.payoff.drafts(len(live))
             probe = self.payoff.probing
         start = time.perf_counter()

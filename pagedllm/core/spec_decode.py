@@ -107,8 +107,18 @@ class PayoffGuard:
     Acceptance is measured first, by a probe: one draft for the requests with a real
     proposal. A row count not measured yet is tried (every EXPLORE steps, until its bucket
     is trusted) before the model would extrapolate past it. A step that stays small at
-    k_max (WIDE_ROWS: a lone stream) tries k_max at once, and every k between then
-    interpolates. A wide batch widens only where the measured acceptance could pay
+    k_max (WIDE_ROWS: a lone stream) tries k_max at once, at every step until it is
+    trusted (a try whose request had nothing to propose measures nothing), and every k
+    between then interpolates. A row count not measured for COST_STALE steps is tried
+    again, and its next time replaces the old average: a few slow early steps (eager
+    warm-ups, a busy machine) must not keep a k unchosen for good.
+
+    Acceptance belongs to the requests, cost to the machine: in a small step a request
+    that starts decoding brings an acceptance nobody has measured, so the first-draft
+    estimate goes back up to the neutral PRIOR if it had fallen below (`request_started`).
+    Without that, a lone stream that followed a request whose drafts all failed (a chat
+    greeting before a code edit) stayed at no drafts for hundreds of steps, probes
+    coming at doubling intervals and each moving the estimate by ALPHA. A wide batch widens only where the measured acceptance could pay
     (EXPLORE_ACCEPT) and while the widest known k is still the best, k doubling each time:
     it never runs a k_max-wide step to learn that drafting does not pay (suffix decoding's
     k_max is 24: 32 requests x 25 rows is a prefill-sized step).
@@ -131,11 +141,14 @@ class PayoffGuard:
     EXPLORE_ACCEPT = 0.1
     WIDE_ROWS = 64  # a step of at most this many rows at k_max is explored at k_max at once
     STALE = 64  # steps after which a draft position's acceptance, not measured since, is not trusted
+    COST_STALE = 256  # steps after which a row bucket's time, not measured since, is tried again
+    PRIOR = 0.5  # first-draft acceptance of requests nobody has measured
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
-        self.time: dict[int, list[float]] = {}  # row bucket -> [mean rows, mean seconds, count]
-        self.accept = 0.5  # first-draft acceptance until measured
+        # row bucket -> [mean rows, mean seconds, count, step last measured]
+        self.time: dict[int, list[float]] = {}
+        self.accept = self.PRIOR  # first-draft acceptance until measured
         # draft position (2, 3, ...) -> [acceptance given the one before, step last measured]
         self.deeper: dict[int, list[float]] = {}
         self.propose_s = 0.0  # proposer seconds per drafted position
@@ -153,14 +166,25 @@ class PayoffGuard:
 
     def record_step(self, rows: int, seconds: float) -> None:
         """A step of decodes and verifies only: `rows` query rows took `seconds`."""
-        entry = self.time.setdefault(self.bucket(rows), [float(rows), seconds, 0])
-        seen = entry[2]
+        entry = self.time.setdefault(self.bucket(rows), [float(rows), seconds, 0, self.steps])
+        seen, stale = entry[2], self._stale(entry)
         entry[2] += 1
-        if seen <= self.WARMUP:  # the warm-up steps, then the first after them, start the averages
+        entry[3] = self.steps
+        if seen <= self.WARMUP or stale:  # the warm-up steps, then the first after them, start the averages
             entry[0], entry[1] = float(rows), seconds
             return
         entry[0] += self.ALPHA * (rows - entry[0])
         entry[1] += self.ALPHA * (seconds - entry[1])
+
+    def _stale(self, entry: list[float]) -> bool:
+        return self.steps - entry[3] > self.COST_STALE
+
+    def request_started(self, n: int) -> None:
+        """A request starts decoding in a step of `n` requests: in a small step (see the
+        class doc) the first-draft estimate goes back up to PRIOR."""
+        if self.k_max and n * (1 + self.k_max) <= self.WIDE_ROWS and self.accept < self.PRIOR:
+            self.accept = self.PRIOR
+            self.probe_every = self.PROBE
 
     def record_acceptance(self, drafts: int, first_accepted: int,
                           deeper: Sequence[tuple[int, int]] = ()) -> None:
@@ -198,7 +222,8 @@ class PayoffGuard:
 
     def cost(self, rows: int) -> float | None:
         """Estimated step time for `rows` rows, None when no trusted measurement is above."""
-        known = sorted((r, t) for r, t, n in self.time.values() if n >= self.WARMUP + self.TRUSTED)
+        known = sorted((e[0], e[1]) for e in self.time.values()
+                       if e[2] >= self.WARMUP + self.TRUSTED and not self._stale(e))
         if not known:
             return None
         above = [(r, t) for r, t in known if r >= rows]
@@ -218,12 +243,12 @@ class PayoffGuard:
         for k in range(self.k_max + 1):
             cost = self.cost(n * (1 + k))
             if cost is None:
+                if k and n * (1 + self.k_max) <= self.WIDE_ROWS:
+                    # a small step even at k_max: measure the widest first, then every k in
+                    # between interpolates
+                    self.last_try = self.steps
+                    return self.k_max if self.cost(n * (1 + self.k_max)) is None else k
                 if k and self.steps - self.last_try >= self.EXPLORE:
-                    if n * (1 + self.k_max) <= self.WIDE_ROWS:
-                        # a small step even at k_max: measure the widest first, then every k
-                        # in between interpolates
-                        self.last_try = self.steps
-                        return self.k_max if self.cost(n * (1 + self.k_max)) is None else k
                     if best == k - 1 and self.accept_seen and self.accept > self.EXPLORE_ACCEPT:
                         # a wide batch: widen only while widening paid so far, doubling k
                         # from the widest known (1, 2, 4, ... k_max), so a batch where drafts

@@ -142,10 +142,10 @@ def test_payoff_guard_values_later_drafts_by_their_own_acceptance():
     geometric model."""
     def guard_after(deeper):
         guard = PayoffGuard(k_max=5)
+        guard.steps = guard.last_try = 1000  # no exploration due
         for _ in range(PayoffGuard.WARMUP + PayoffGuard.TRUSTED + 1):
             for rows in range(1, 7):
                 guard.record_step(rows, 0.010 + 0.002 * rows)
-        guard.steps = guard.last_try = 1000  # no exploration due
         guard.record_acceptance(100, 60, deeper)
         return guard
     later = [(60, 57), (57, 54), (54, 51), (51, 48)]
@@ -160,6 +160,53 @@ def test_payoff_guard_values_later_drafts_by_their_own_acceptance():
     assert low.drafts(1) <= 1
     low.steps += PayoffGuard.STALE + 1
     assert low.expected_tokens(5) == pytest.approx(sum(0.6 ** i for i in range(6)))
+
+
+def test_payoff_guard_lone_stream_drafts_again_for_a_new_request():
+    """A lone stream whose first request's drafts all failed (a greeting) has come to draft
+    nothing; the next request (a code edit whose drafts are accepted 0.9) must be drafted
+    for within a few steps of starting, not after hundreds of doubling probe intervals."""
+    guard = PayoffGuard(k_max=5)
+    k = 0
+    for _ in range(300):  # request 1: every draft rejected
+        guard.record_step(1 + k, 0.010 + 0.0005 * (1 + k))
+        if k:
+            guard.record_acceptance(1, 0, [(0, 0)] * (k - 1))
+        k = guard.drafts(1)
+    assert guard.accept < 0.1 and k <= 1
+    guard.request_started(1)  # request 2 starts decoding
+    chosen = []
+    for _ in range(20):
+        guard.record_step(1 + k, 0.010 + 0.0005 * (1 + k))
+        if k:
+            guard.record_acceptance(1, 1, [(1, 1)] * (k - 1))
+        k = guard.drafts(1)
+        chosen.append(k)
+    assert chosen[0] >= 1 and chosen[-1] == 5, f"request 2 was drafted for as {chosen}"
+    # in a wide batch one more request says little: the estimate stays where it was
+    wide = PayoffGuard(k_max=5)
+    wide.accept = 0.05
+    wide.request_started(32)
+    assert wide.accept == 0.05
+
+
+def test_payoff_guard_tries_a_stale_row_count_again():
+    """A row count measured slow long ago (its first steps ran on a busy machine) and never
+    chosen since is tried again after COST_STALE steps, and its new time replaces the old
+    average: the guard moves to the k that pays instead of keeping the old verdict."""
+    guard = PayoffGuard(k_max=5)
+    for _ in range(PayoffGuard.WARMUP + PayoffGuard.TRUSTED + 1):
+        guard.record_step(1, 0.010)
+        guard.record_step(6, 0.060)  # measured 6x a one-row step: drafting 5 does not pay
+    guard.record_acceptance(1, 1, [(1, 1)] * 4)
+    guard.deeper = {p: [0.95, 10 ** 9] for p in range(2, 6)}  # kept fresh for this test
+    assert guard.drafts(1) < 5
+    chosen = []
+    for _ in range(PayoffGuard.COST_STALE + 20):
+        k = guard.drafts(1)
+        chosen.append(k)
+        guard.record_step(1 + k, 0.010 + 0.001 * k)  # the machine as it is now: 1 ms per draft
+    assert 5 in chosen[PayoffGuard.COST_STALE - 10:] and chosen[-1] == 5, f"k stayed at {sorted(set(chosen))}"
 
 
 def test_position_verdicts():
