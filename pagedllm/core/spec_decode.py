@@ -109,19 +109,20 @@ class PayoffGuard:
     is trusted) before the model would extrapolate past it. A step that stays small at
     k_max (WIDE_ROWS: a lone stream) tries k_max at once, at every step until it is
     trusted (a try whose request had nothing to propose measures nothing), and every k
-    between then interpolates. A row count not measured for COST_STALE steps is tried
-    again, and its next time replaces the old average: a few slow early steps (eager
-    warm-ups, a busy machine) must not keep a k unchosen for good.
+    between then interpolates. A wide batch widens only where the measured acceptance
+    could pay (EXPLORE_ACCEPT) and while the widest known k is still the best, k doubling
+    each time: it never runs a k_max-wide step to learn that drafting does not pay (suffix
+    decoding's k_max is 24: 32 requests x 25 rows is a prefill-sized step). A row count
+    not measured for COST_STALE steps is tried again, and its next time replaces the old
+    average: a few slow early steps (eager warm-ups, a busy machine) must not keep a k
+    unchosen for good.
 
     Acceptance belongs to the requests, cost to the machine: in a small step a request
     that starts decoding brings an acceptance nobody has measured, so the first-draft
     estimate goes back up to the neutral PRIOR if it had fallen below (`request_started`).
     Without that, a lone stream that followed a request whose drafts all failed (a chat
     greeting before a code edit) stayed at no drafts for hundreds of steps, probes
-    coming at doubling intervals and each moving the estimate by ALPHA. A wide batch widens only where the measured acceptance could pay
-    (EXPLORE_ACCEPT) and while the widest known k is still the best, k doubling each time:
-    it never runs a k_max-wide step to learn that drafting does not pay (suffix decoding's
-    k_max is 24: 32 requests x 25 rows is a prefill-sized step).
+    coming at doubling intervals and each moving the estimate by ALPHA.
     """
 
     ALPHA = 0.1  # weight of the newest measurement in the moving averages
