@@ -126,7 +126,7 @@ class PayoffGuard:
     """
 
     ALPHA = 0.1  # weight of the newest measurement in the moving averages
-    EXPLORE = 4  # steps between tries of a row count not measured TRUSTED times yet
+    EXPLORE = 4  # steps between a wide step's tries of a row count not measured TRUSTED times yet
     # a row bucket's first WARMUP measurements are not averaged in: a new shape's first steps
     # run eagerly (CPU replay warms up, records, then checks its first replay against an
     # eager run; CUDA graphs capture), slower than its later ones, and an exploration
@@ -177,13 +177,17 @@ class PayoffGuard:
         entry[0] += self.ALPHA * (rows - entry[0])
         entry[1] += self.ALPHA * (seconds - entry[1])
 
+    def _small(self, n: int) -> bool:
+        """Whether a step of n requests stays small (WIDE_ROWS) even at k_max drafts each."""
+        return n * (1 + self.k_max) <= self.WIDE_ROWS
+
     def _stale(self, entry: list[float]) -> bool:
         return self.steps - entry[3] > self.COST_STALE
 
     def request_started(self, n: int) -> None:
         """A request starts decoding in a step of `n` requests: in a small step (see the
         class doc) the first-draft estimate goes back up to PRIOR."""
-        if self.k_max and n * (1 + self.k_max) <= self.WIDE_ROWS and self.accept < self.PRIOR:
+        if self.k_max and self._small(n) and self.accept < self.PRIOR:
             self.accept = self.PRIOR
             self.probe_every = self.PROBE
 
@@ -244,7 +248,7 @@ class PayoffGuard:
         for k in range(self.k_max + 1):
             cost = self.cost(n * (1 + k))
             if cost is None:
-                if k and n * (1 + self.k_max) <= self.WIDE_ROWS:
+                if k and self._small(n):
                     # a small step even at k_max: measure the widest first, then every k in
                     # between interpolates
                     self.last_try = self.steps
