@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+import torch
+
 from pagedllm.core import envs
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.config import EngineConfig, default_model
@@ -72,6 +74,7 @@ class LLMEngine:
         registry = get_registry()
         path = config.model.model or default_model()
         self.model_path = path
+        registry.start_preparing_ops(torch.device(config.device.resolved_device()))
         source = open_configured_model(config, registry)
         self.tokenizer = source.tokenizer
         self.hf_config = source.hf_config

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import threading
 from typing import Any
 
 import pluggy
@@ -84,6 +85,28 @@ class PluginRegistry:
         for impls in by_op.values():
             impls.sort(key=lambda i: -i.priority)
         return by_op
+
+    def start_preparing_ops(self, device: torch.device) -> threading.Thread | None:
+        """Run every op implementation's `prepare` for `device` on a background thread, so
+        slow one-time set-up (the CPU plugin's kernel build, ~5 s on 2 cores) overlaps the
+        engine's reading of the model's config and tokenizer. A failure is logged and left
+        to the implementation's `check`. The thread is not a daemon: a process that fails
+        early waits for the set-up rather than leaving a half-built cache behind."""
+        prepares = list(dict.fromkeys(impl.prepare for impls in self.op_impls.values() for impl in impls
+                                      if impl.prepare is not None))
+        if not prepares:
+            return None
+
+        def run() -> None:
+            for prepare in prepares:
+                try:
+                    prepare(device)
+                except Exception as exc:  # noqa: BLE001 - the implementation's check reports it
+                    logger.debug("op set-up %r for %s failed: %s", prepare, device, exc)
+
+        thread = threading.Thread(target=run, name="pagedllm-prepare-ops")
+        thread.start()
+        return thread
 
     # ------------------------------------------------------------------ lookups
 

@@ -96,3 +96,48 @@ def test_head_counts_are_checked_once_for_every_backend():
     with pytest.raises(ValueError, match="num_heads 5 is not a multiple of num_kv_heads 2"):
         AttentionSpec(num_heads=5, num_kv_heads=2, head_size=64, dtype=torch.float32, kv_cache_dtype="auto",
                       block_size=16, device=torch.device("cpu"))
+
+
+def test_op_set_up_runs_in_the_background_once_per_function(monkeypatch, caplog):
+    """`start_preparing_ops` runs each distinct `OpImpl.prepare` once, with the engine's
+    device, off the calling thread; one that fails is logged, not raised, and the others
+    still run (the implementation's `check` reports what is wrong when it is asked)."""
+    import logging
+    import threading
+
+    import torch
+
+    from pagedllm.core.contracts import OpImpl
+
+    calls = []
+
+    def build(device):
+        calls.append(("build", threading.current_thread().name, device))
+
+    def broken(device):
+        raise RuntimeError("no compiler here")
+
+    def later(device):
+        calls.append(("later", threading.current_thread().name, device))
+
+    def fn(*args):
+        return None
+
+    def runs(device, dtype):
+        return []
+
+    impls = {"rms_norm": [OpImpl("rms_norm", "a", fn, runs, prepare=build), OpImpl("rms_norm", "b", fn, runs)],
+             "silu_and_mul": [OpImpl("silu_and_mul", "a", fn, runs, prepare=build),
+                              OpImpl("silu_and_mul", "c", fn, runs, prepare=broken),
+                              OpImpl("silu_and_mul", "d", fn, runs, prepare=later)]}
+    registry = get_registry()
+    monkeypatch.setattr(registry, "op_impls", impls)
+    with caplog.at_level(logging.DEBUG, logger="pagedllm"):
+        thread = registry.start_preparing_ops(torch.device("cpu"))
+        assert thread is not None and thread is not threading.current_thread()
+        thread.join(10)
+    cpu = torch.device("cpu")
+    assert calls == [("build", "pagedllm-prepare-ops", cpu), ("later", "pagedllm-prepare-ops", cpu)]
+    assert any("no compiler here" in r.getMessage() for r in caplog.records)
+    monkeypatch.setattr(registry, "op_impls", {"rms_norm": [OpImpl("rms_norm", "b", fn, runs)]})
+    assert registry.start_preparing_ops(cpu) is None, "nothing to set up: no thread"

@@ -30,6 +30,10 @@ class OpImpl:
     # reasons it cannot run on tensors of this device and dtype (empty: it can)
     check: Callable[[torch.device, torch.dtype], list[str]]
     priority: int = 10
+    # one-time set-up for a device that takes seconds (the CPU plugin compiles its kernels):
+    # the engine starts it in the background before it opens the model, so the plugin's
+    # `check` and `fn` must wait for a set-up still running; None: nothing to set up
+    prepare: Callable[[torch.device], None] | None = None
 
 
 class GraphRunner(ABC):

@@ -179,20 +179,24 @@ def _store(key: str, rows: int) -> None:
         logger.debug("crossover cache not written (%s)", exc)
 
 
-def rows_from(what: str, small: Side, large: Side, k: int) -> int:
+def rows_from(what: str, small: Side, large: Side, k: int, candidates: tuple[int, ...] = CANDIDATES) -> int:
     """From how many rows `large` should serve a layer (smaller batches take `small`).
 
     `what` names the kernel pair and weight shape (e.g. "q4_1|onednn-bf16|960x576"): the
-    cache key, with this machine's CPU and thread count added.
+    cache key, with this machine's CPU and thread count added. A caller that only asks
+    whether `large` wins from the first row passes `candidates=(1, 2)`: timing every row
+    count up to 64 cost a cold start-up ~1 s per layer shape for an answer it ignored.
     """
     key = f"{_machine_key()}|{what}"
+    if candidates != CANDIDATES:
+        key += "|rows=" + ",".join(map(str, candidates))
     if key in _memo:
         return _memo[key]
     cached = _load().get(key)
     if cached is not None:
         _memo[key] = cached
         return cached
-    rows = measure(small, large, k)
+    rows = measure(small, large, k, candidates)
     _memo[key] = rows
     _store(key, rows)
     logger.info("kernel crossover %s: the second kernel from %s rows", what,

@@ -8,6 +8,8 @@ take are made contiguous first. A step made of these calls alone is what step re
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from pagedllm.core.contracts import OpImpl
@@ -217,17 +219,20 @@ class PackedExpertsBF16:
         return moe.expert_rows(x, topk_weights, topk_ids, len(self.w13), expert)
 
 
+# every implementation here runs on the one native library, built (or found) at start-up in
+# the background (OpImpl.prepare)
+_native_impl = functools.partial(OpImpl, prepare=native.prepare)
 OP_IMPLS = [
-    OpImpl("pack_moe", "cpu_packed_bf16_moe", PackedExpertsBF16, _packed_bf16_here),
-    OpImpl("pack_moe", "cpu_native_moe", PackedExperts, float32_cpu),
-    OpImpl("rms_norm", "cpu_native", rms_norm, float32_cpu),
-    OpImpl("silu_and_mul", "cpu_native", silu_and_mul, float32_cpu),
-    OpImpl("rotary_qkv", "cpu_native", rotary_qkv, float32_cpu),
-    OpImpl("gather_rows", "cpu_native", gather_rows, float32_cpu),
-    OpImpl("argmax_rows", "cpu_native", argmax_rows, float32_cpu),
-    OpImpl("pack_linear", "cpu_packed", PackedDense, _packed_dense_here),
-    OpImpl("pack_linear", "cpu_packed_bf16", PackedBF16, _packed_bf16_here),
-    OpImpl("rms_norm", "cpu_native_bf16", rms_norm_bf16, bf16_cpu),
-    OpImpl("silu_and_mul", "cpu_native_bf16", silu_and_mul_bf16, bf16_cpu),
-    OpImpl("rotary_qkv", "cpu_native_bf16", rotary_qkv_bf16, bf16_cpu),
+    _native_impl("pack_moe", "cpu_packed_bf16_moe", PackedExpertsBF16, _packed_bf16_here),
+    _native_impl("pack_moe", "cpu_native_moe", PackedExperts, float32_cpu),
+    _native_impl("rms_norm", "cpu_native", rms_norm, float32_cpu),
+    _native_impl("silu_and_mul", "cpu_native", silu_and_mul, float32_cpu),
+    _native_impl("rotary_qkv", "cpu_native", rotary_qkv, float32_cpu),
+    _native_impl("gather_rows", "cpu_native", gather_rows, float32_cpu),
+    _native_impl("argmax_rows", "cpu_native", argmax_rows, float32_cpu),
+    _native_impl("pack_linear", "cpu_packed", PackedDense, _packed_dense_here),
+    _native_impl("pack_linear", "cpu_packed_bf16", PackedBF16, _packed_bf16_here),
+    _native_impl("rms_norm", "cpu_native_bf16", rms_norm_bf16, bf16_cpu),
+    _native_impl("silu_and_mul", "cpu_native_bf16", silu_and_mul_bf16, bf16_cpu),
+    _native_impl("rotary_qkv", "cpu_native_bf16", rotary_qkv_bf16, bf16_cpu),
 ]

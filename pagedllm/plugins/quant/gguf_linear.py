@@ -143,7 +143,8 @@ def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch
             continue
         # copies clone the packed tensors (torch's int4 packing of every copy took seconds)
         side = crossover.Contender(candidate, functools.partial(copy.deepcopy, candidate), _blocks_bytes(groups))
-        if crossover.rows_from(f"gguf-{types}|{name}|{candidate.kind}|{shape}", best, side, k) <= 1:
+        if crossover.rows_from(f"gguf-{types}|{name}|{candidate.kind}|{shape}", best, side, k,
+                               candidates=(1, 2)) <= 1:
             best, name = side, candidate.kind
     return best, name
 

@@ -3,8 +3,11 @@ the cache, the ABI check, and the fallback to torch when a build fails."""
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
+import threading
+import time
 
 from pagedllm.ops.cpu import native
 
@@ -22,7 +25,7 @@ def header_constants() -> dict[str, int]:
 
 
 def test_build_is_cached_under_the_cache_dir(tmp_path, monkeypatch):
-    build_kernels = native.kernels.__wrapped__  # the uncached builder behind kernels()
+    build_kernels = native._load_library.__wrapped__  # the uncached builder behind kernels()
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     lib = build_kernels()
     assert lib is not None, "building the kernels into a fresh cache dir failed"
@@ -43,7 +46,7 @@ def test_build_is_cached_under_the_cache_dir(tmp_path, monkeypatch):
 
 
 def test_build_failures_turn_the_native_path_off(tmp_path, monkeypatch):
-    build_kernels = native.kernels.__wrapped__
+    build_kernels = native._load_library.__wrapped__
     monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")  # a "compiler" that always fails
     assert build_kernels() is None, "a failed build should leave the torch paths on, not raise"
@@ -52,3 +55,48 @@ def test_build_failures_turn_the_native_path_off(tmp_path, monkeypatch):
     for off in ("0", "false", "OFF"):
         monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", off)
         assert build_kernels() is None, f"PAGEDLLM_CPU_KERNELS={off} should turn the native kernels off"
+
+
+def test_a_build_in_flight_is_waited_for_not_repeated(tmp_path, monkeypatch):
+    """The engine builds the library on a background thread (OpImpl.prepare) while the main
+    thread reads the model: a kernel call arriving meanwhile must wait for that build and
+    share its library, not start a second compiler run into the same cache."""
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    builds = []
+    real_build = native._build
+
+    def counted(compiler, target):
+        builds.append(threading.current_thread().name)
+        time.sleep(0.5)  # hold the build open while the other thread asks
+        real_build(compiler, target)
+
+    monkeypatch.setattr(native, "_build", counted)
+    native.forget_kernels()
+    try:
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(native.kernels()), name=f"caller-{i}")
+                   for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+        assert len(builds) == 1, f"two callers built the library {len(builds)} times: {builds}"
+        assert len(results) == 2 and results[0] is not None and results[0] is results[1]
+    finally:
+        native.forget_kernels()  # the next test loads the library from the usual cache again
+
+
+def test_an_engine_builds_the_library_while_it_opens_the_model(tmp_path, monkeypatch, caplog, tiny_model_dir):
+    """A first start-up on a machine: the compiler runs on the op set-up thread the engine
+    starts before reading the model's config and tokenizer, not after them on the main one."""
+    from pagedllm import LLM
+
+    monkeypatch.setenv("PAGEDLLM_CACHE_DIR", str(tmp_path))
+    native.forget_kernels()
+    try:
+        with caplog.at_level(logging.INFO, logger="pagedllm"):
+            LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", kv_cache_memory=1 << 22)
+        builders = [r.threadName for r in caplog.records if r.getMessage().startswith("building native CPU kernels")]
+        assert builders == ["pagedllm-prepare-ops"], f"the library was built on {builders}"
+    finally:
+        native.forget_kernels()

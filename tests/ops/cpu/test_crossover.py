@@ -58,6 +58,27 @@ def test_answers_are_cached_on_disk_per_machine(fresh_cache):
     assert not calls, "a cached answer must not be measured again"
 
 
+def test_a_first_row_question_times_only_the_rows_it_asks_and_is_cached_apart(fresh_cache):
+    """A caller asking only whether `large` wins from the first row times rows 1 and 2 (a
+    cold start-up timed up to 64 rows per layer shape for nothing), and its answer, cut
+    short at 2, is never read as the full search's."""
+    timed = []
+
+    def small(x):
+        timed.append(x.shape[0])
+        time.sleep(1e-3 * x.shape[0])
+        return x
+
+    short = crossover.rows_from("pair|4x4", small, sleeper(0, 20e-3), 4, candidates=(1, 2))
+    assert short == crossover.NEVER and set(timed) == {1, 2}, f"timed rows {sorted(set(timed))}"
+    timed.clear()
+    full = crossover.rows_from("pair|4x4", small, sleeper(0, 20e-3), 4, candidates=(1, 2, 4, 8, 16, 32, 64))
+    assert timed, "the full search must not take the short search's cached answer"
+    assert full == 32
+    keys = sorted(json.loads((fresh_cache / "crossovers.json").read_text()))
+    assert len(keys) == 2 and keys[1].endswith("|pair|4x4|rows=1,2"), keys
+
+
 def test_unreadable_cache_is_ignored(fresh_cache):
     (fresh_cache / "crossovers.json").write_text("{not json")
     assert crossover.rows_from("pair|1x1", sleeper(0, 0), sleeper(0, 1e-3), 4) == crossover.NEVER

@@ -165,11 +165,11 @@ def spec(**overrides) -> AttentionSpec:
 @pytest.fixture
 def kernels_off(monkeypatch):
     """PAGEDLLM_CPU_KERNELS=0 for one test; the cached library lookup is redone before and after."""
-    native.kernels.cache_clear()
+    native.forget_kernels()
     monkeypatch.setenv("PAGEDLLM_CPU_KERNELS", "0")
     yield
     monkeypatch.delenv("PAGEDLLM_CPU_KERNELS")
-    native.kernels.cache_clear()
+    native.forget_kernels()
 
 
 @needs_native
