@@ -35,7 +35,8 @@ def parse_cpu_list(text: str) -> list[int]:
     return sorted(cpus)
 
 
-def _allowed() -> list[int]:
+def allowed_cpus() -> list[int]:
+    """The CPUs this process may run on (its affinity; every CPU where that is unknown)."""
     try:
         return sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -60,7 +61,7 @@ def apply(setting: str | None, local_rank: int = 0, local_ranks: int = 1) -> str
                                  f"{local_ranks} ranks on this machine; give one list per rank")
             setting = parts[local_rank].strip()
         elif setting == "auto":
-            allowed = _allowed()
+            allowed = allowed_cpus()
             if len(allowed) < local_ranks:
                 torch.set_num_threads(1)
                 return (f"{local_ranks} ranks share {len(allowed)} CPUs: 1 thread each, unpinned (auto; expect "
@@ -68,7 +69,7 @@ def apply(setting: str | None, local_rank: int = 0, local_ranks: int = 1) -> str
             share = len(allowed) // local_ranks
             setting = ",".join(map(str, allowed[local_rank * share:(local_rank + 1) * share]))
     if setting == "auto":
-        allowed = _allowed()
+        allowed = allowed_cpus()
         threads = torch.get_num_threads()
         if threads > len(allowed):  # torch counted cores this process may not run on
             torch.set_num_threads(len(allowed))
@@ -78,7 +79,7 @@ def apply(setting: str | None, local_rank: int = 0, local_ranks: int = 1) -> str
         raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND={setting!r}: one list per rank ('|') needs as many "
                          "ranks; this engine runs one process, so give a single list such as 0-3")
     cpus = parse_cpu_list(setting)
-    allowed = _allowed()
+    allowed = allowed_cpus()
     outside = sorted(set(cpus) - set(allowed))
     if outside:
         raise ValueError(f"PAGEDLLM_CPU_OMP_THREADS_BIND={setting!r}: CPUs {_ranges(outside)} are not available "

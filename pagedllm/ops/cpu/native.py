@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from pagedllm.core import envs
+from pagedllm.core import cpu_threads, envs
 from pagedllm.ops.cpu import features
 
 logger = logging.getLogger("pagedllm")
@@ -132,8 +132,7 @@ def _build(compiler: str, target: Path) -> None:
         objects = {src: Path(work) / f"{src.stem}.o" for src in SOURCES}  # each includes pd_kernels.h beside it
         largest_first = sorted(SOURCES, key=lambda src: src.stat().st_size, reverse=True)
         jobs = [[compiler, *FLAGS, "-c", str(src), "-o", str(objects[src])] for src in largest_first]
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), cpus))) as pool:
+        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs), len(cpu_threads.allowed_cpus())))) as pool:
             list(pool.map(_run_compiler, jobs))  # re-raises the first failure
         library = Path(work) / target.name
         _run_compiler([compiler, *map(str, objects.values()), *LINK_FLAGS, "-o", str(library)])
