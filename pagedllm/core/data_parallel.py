@@ -16,6 +16,7 @@ import functools
 import logging
 from typing import Any, AsyncIterator, Callable
 
+from pagedllm.core import heap
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.engine import AsyncLLMEngine, LLMEngine
 from pagedllm.core.executor import EngineDeadError
@@ -34,11 +35,12 @@ class DataParallelEngine:
     def from_config(cls, config: EngineConfig) -> "DataParallelEngine":
         replicas: list[AsyncLLMEngine] = []
         try:
-            for i in range(config.parallel.data_parallel_size):
-                replica = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
-                                                                                   data_parallel_rank=i))
-                replicas.append(AsyncLLMEngine(functools.partial(LLMEngine, replica)))
-                logger.info("data-parallel replica %d of %d ready", i + 1, config.parallel.data_parallel_size)
+            with heap.built_once():  # every replica's heap frozen together (core/heap.py)
+                for i in range(config.parallel.data_parallel_size):
+                    replica = dataclasses.replace(config, parallel=dataclasses.replace(config.parallel,
+                                                                                       data_parallel_rank=i))
+                    replicas.append(AsyncLLMEngine(functools.partial(LLMEngine, replica)))
+                    logger.info("data-parallel replica %d of %d ready", i + 1, config.parallel.data_parallel_size)
         except BaseException:
             for replica in replicas:
                 replica.shutdown()

@@ -22,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 import torch
 
-from pagedllm.core import envs
+from pagedllm.core import envs, heap
 from pagedllm.core.block_manager import BlockManager
 from pagedllm.core.config import EngineConfig, default_model
 from pagedllm.core.contracts import LogitsProcessorContext, LogitsProcessorFactory
@@ -70,6 +70,10 @@ class _Parent:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         envs.warn_deprecated()
+        with heap.built_once():
+            self._build(config)
+
+    def _build(self, config: EngineConfig) -> None:
         self.config = config
         registry = get_registry()
         path = config.model.model or default_model()
@@ -204,6 +208,7 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the ranks (a one-rank engine has none); the engine is unusable after."""
         self.executor.shutdown()
+        heap.release()
 
     @property
     def num_running(self) -> int:

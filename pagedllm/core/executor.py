@@ -30,7 +30,7 @@ import traceback
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
-from pagedllm.core import envs
+from pagedllm.core import envs, heap
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.parallel import ParallelLayout, ParallelState, destroy_parallel_state, init_parallel_state
 from pagedllm.core.scheduler import SchedulerOutput
@@ -154,10 +154,11 @@ def worker_factory(config: EngineConfig) -> WorkerFactory:
         from pagedllm.core.loader import open_configured_model
         from pagedllm.core.plugins import get_registry
 
-        registry = get_registry()
-        source = open_configured_model(config, registry)
-        max_model_len, budget, spec_config = engine_limits(config, source, registry)
-        return Worker(config, source, registry, max_model_len, budget, spec_config, state)
+        with heap.built_once():  # a rank's heap, as the engine's (core/heap.py)
+            registry = get_registry()
+            source = open_configured_model(config, registry)
+            max_model_len, budget, spec_config = engine_limits(config, source, registry)
+            return Worker(config, source, registry, max_model_len, budget, spec_config, state)
     return make
 
 
