@@ -18,6 +18,7 @@ engine-building tests ~1.5x slower). Data-parallel replicas are built inside one
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import gc
 from typing import Iterator
@@ -44,6 +45,9 @@ def built_once() -> Iterator[None]:
             gc.collect(0)  # the build's own short-lived cycles (all still the youngest while paused)
             gc.freeze()
             _froze[0] = True
+            # exit as an unfrozen process would: the interpreter's last collection then
+            # finalizes the engine's objects (extension modules check for leaks there)
+            atexit.register(gc.unfreeze)
     finally:
         gc.enable()
 

@@ -77,3 +77,18 @@ def test_a_caller_that_turned_the_collector_off_keeps_it_off():
     with heap.built_once():
         pass
     assert not gc.isenabled() and gc.get_freeze_count() == 0
+
+
+def test_the_process_exits_unfrozen():
+    import subprocess
+    import sys
+
+    code = ("import atexit, gc\n"
+            "atexit.register(lambda: print('frozen at exit:', gc.get_freeze_count()))  # runs last\n"
+            "from pagedllm.core import heap\n"
+            "with heap.built_once():\n"
+            "    pass\n"
+            "assert gc.get_freeze_count() > 0\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "frozen at exit: 0" in out.stdout, f"the heap stayed frozen at exit: {out.stdout!r}"
