@@ -187,14 +187,9 @@ def rows_from(what: str, small: Side, large: Side, k: int, candidates: tuple[int
     whether `large` wins from the first row passes `candidates=(1, 2)`: timing every row
     count up to 64 cost a cold start-up ~1 s per layer shape for an answer it ignored.
     """
-    key = f"{_machine_key()}|{what}"
-    if candidates != CANDIDATES:
-        key += "|rows=" + ",".join(map(str, candidates))
-    if key in _memo:
-        return _memo[key]
-    cached = _load().get(key)
+    key = _key(what, candidates)
+    cached = _recall(key)
     if cached is not None:
-        _memo[key] = cached
         return cached
     rows = measure(small, large, k, candidates)
     _memo[key] = rows
@@ -202,6 +197,28 @@ def rows_from(what: str, small: Side, large: Side, k: int, candidates: tuple[int
     logger.info("kernel crossover %s: the second kernel from %s rows", what,
                 "never" if rows == NEVER else rows)
     return rows
+
+
+def known(what: str, candidates: tuple[int, ...] = CANDIDATES) -> int | None:
+    """What `rows_from` would answer without measuring: the answer measured on this machine
+    before, or None. Lets a caller skip building a contender that already lost."""
+    return _recall(_key(what, candidates))
+
+
+def _key(what: str, candidates: tuple[int, ...]) -> str:
+    key = f"{_machine_key()}|{what}"
+    if candidates != CANDIDATES:
+        key += "|rows=" + ",".join(map(str, candidates))
+    return key
+
+
+def _recall(key: str) -> int | None:
+    if key in _memo:
+        return _memo[key]
+    cached = _load().get(key)
+    if cached is not None:
+        _memo[key] = cached
+    return cached
 
 
 def forget() -> None:

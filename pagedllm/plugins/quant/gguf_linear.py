@@ -102,9 +102,12 @@ def _int4_candidate(groups: Sequence[tuple[int, torch.Tensor]], k: int):
     return gguf_int4.Int4Weight(groups[0][1], groups[0][0], k)
 
 
-# Tried in order against the kernel chosen so far; each reads the blocks at bf16-level
-# accuracy (its activations are rounded), so only under "medium" matmul precision.
-_SMALL_CANDIDATES = (_vnni_candidate, _int4_candidate)
+# Tried in order against the kernel chosen so far, each under its kernel's name; each reads
+# the blocks at bf16-level accuracy (its activations are rounded), so only under "medium"
+# matmul precision.
+_SMALL_CANDIDATES = ((gguf_vnni.VnniLinear.kind, _vnni_candidate), (gguf_int4.Int4Weight.kind, _int4_candidate))
+# the small-batch contests ask only whether a candidate wins from the first row
+_FIRST_ROWS = (1, 2)
 
 
 def _blocks_bytes(groups: Sequence[tuple[int, torch.Tensor]]) -> int:
@@ -137,15 +140,18 @@ def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch
     best, name = native_side, "native"
     if not dense_kernels.bf16_products_allowed():
         return best, name
-    for make in _SMALL_CANDIDATES:
+    for kind, make in _SMALL_CANDIDATES:
+        contest = f"gguf-{types}|{name}|{kind}|{shape}"
+        lost_before = crossover.known(contest, _FIRST_ROWS)
+        if lost_before is not None and lost_before > 1:
+            continue  # measured on this machine before: not worth packing the weight for it
         candidate = make(groups, k)
         if candidate is None:
             continue
         # copies clone the packed tensors (torch's int4 packing of every copy took seconds)
         side = crossover.Contender(candidate, functools.partial(copy.deepcopy, candidate), _blocks_bytes(groups))
-        if crossover.rows_from(f"gguf-{types}|{name}|{candidate.kind}|{shape}", best, side, k,
-                               candidates=(1, 2)) <= 1:
-            best, name = side, candidate.kind
+        if crossover.rows_from(contest, best, side, k, candidates=_FIRST_ROWS) <= 1:
+            best, name = side, kind
     return best, name
 
 

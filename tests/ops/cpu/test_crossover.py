@@ -146,3 +146,12 @@ def test_a_drift_during_the_timing_does_not_decide():
 
     rows = crossover.measure(side(1.2e-3), side(1.0e-3), k=4, candidates=(1,), budget_s=0)
     assert rows == 1, "the large kernel is faster at every moment; alternating passes see it"
+
+
+def test_known_answers_only_what_was_measured(fresh_cache):
+    assert crossover.known("pair|2x2", (1, 2)) is None, "nothing measured yet"
+    rows = crossover.rows_from("pair|2x2", sleeper(0, 0), sleeper(0, 5e-3), 4, candidates=(1, 2))
+    assert crossover.known("pair|2x2", (1, 2)) == rows
+    assert crossover.known("pair|2x2") is None, "the full search was never measured"
+    crossover.forget()
+    assert crossover.known("pair|2x2", (1, 2)) == rows, "the disk cache answers after the memo is gone"
