@@ -17,6 +17,14 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+# Where the engine-parity tests build their engines: "cpu" (CI) or "cuda", which
+# scripts/gpu_check.sh sets to run the same transformers-parity tests on a GPU.
+TEST_DEVICE = os.environ.get("PAGEDLLM_TEST_DEVICE", "cpu")
+if TEST_DEVICE not in ("cpu", "cuda"):
+    raise ValueError(f"PAGEDLLM_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}")
+if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
+    raise RuntimeError("PAGEDLLM_TEST_DEVICE=cuda but torch sees no CUDA device")
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! Paris is the capital of France.",

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import TEST_DEVICE
 
 NUM_TOKENS = 32
 PROMPT_LENS = [3, 17, 40, 1, 64, 25, 9, 100]
@@ -26,28 +27,29 @@ def make_prompts(seed: int = 0, lens=PROMPT_LENS, shared_prefix: int = 0) -> lis
     return [prefix + [rng.randrange(2, 500) for _ in range(n)] for n in lens]
 
 
-def hf_greedy(model_dir, prompts, num_tokens=NUM_TOKENS):
-    """(tokens, per-step log-softmax rows) from transformers, one prompt at a time.
+def hf_greedy(model_dir, prompts, num_tokens=NUM_TOKENS, dtype=torch.float32, device="cpu"):
+    """(tokens, per-step log-softmax rows on the CPU) from transformers, one prompt at a time.
 
     A plain argmax loop over the KV-cached forward: `generate(min_new_tokens=...)` would
     mask EOS, which is not what `ignore_eos` means.
     """
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     # transformers >= 5.24 calls the KV cache `cache` (`past_key_values` is deprecated)
     cache_name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     results = []
     with torch.no_grad():
         for ids in prompts:
-            out = model(torch.tensor([ids]), use_cache=True)
+            out = model(torch.tensor([ids], device=device), use_cache=True)
             tokens, logprobs = [], []
             for _ in range(num_tokens):
-                row = torch.log_softmax(out.logits[0, -1].float(), -1)
+                row = torch.log_softmax(out.logits[0, -1].float(), -1).cpu()
                 token = int(row.argmax())
                 tokens.append(token)
                 logprobs.append(row)
-                out = model(torch.tensor([[token]]), use_cache=True, **{cache_name: getattr(out, cache_name)})
+                out = model(torch.tensor([[token]], device=device), use_cache=True,
+                            **{cache_name: getattr(out, cache_name)})
             results.append((tokens, logprobs))
     return results
 
@@ -79,7 +81,7 @@ def assert_parity(outputs, ref):
 
 def new_llm(model_dir, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory", 1 << 24)
-    return LLM(str(model_dir), dtype="float32", device="cpu", **kwargs)
+    return LLM(str(model_dir), dtype="float32", device=TEST_DEVICE, **kwargs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "llama3-rope", "mistral", "qwen2", "qwen3"])

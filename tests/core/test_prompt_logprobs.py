@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import TEST_DEVICE
 
 PROMPT = [3, 8, 22, 9, 41, 7, 300, 12, 5, 77, 18, 2, 90, 61, 33, 4, 150, 26, 8, 71, 19, 48, 250, 6, 11, 93, 37,
           14, 222, 58, 3, 100, 64, 29, 8, 17, 410, 55]
@@ -37,7 +38,7 @@ def check(out, hf_rows, k: int) -> None:
 
 @pytest.mark.parametrize("settings", [{}, {"max_num_batched_tokens": 16}], ids=["whole", "chunked"])
 def test_prompt_logprobs_match_transformers(tiny_model_dir, hf_rows, settings):
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", enforce_eager=True, **settings)
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device=TEST_DEVICE, enforce_eager=True, **settings)
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
     first = llm.generate([{"prompt_token_ids": PROMPT}], params, use_tqdm=False)[0]
     check(first, hf_rows, 3)
@@ -51,7 +52,7 @@ def test_prompt_logprobs_match_transformers(tiny_model_dir, hf_rows, settings):
 
 def test_prompt_logprobs_survive_preemption(tiny_model_dir, hf_rows):
     """Few blocks: the requests preempt each other and recompute their prompts."""
-    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device="cpu", enforce_eager=True,
+    llm = LLM(str(tiny_model_dir("llama")), dtype="float32", device=TEST_DEVICE, enforce_eager=True,
               kv_cache_memory=8 * 16 * 2 * 2 * 2 * 16 * 4, max_num_batched_tokens=16, max_model_len=128)
     outs = llm.generate([{"prompt_token_ids": PROMPT}] * 3, SamplingParams(
         temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=1), use_tqdm=False)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from pagedllm import LLM, SamplingParams
+from tests.conftest import TEST_DEVICE
 
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 61, 12, 33], [301, 2, 77]]
 NUM_TOKENS = 8
@@ -22,7 +23,7 @@ FP8_LOGPROB_ATOL = 0.5
 
 def generate(model_dir, **kwargs):
     kwargs.setdefault("kv_cache_memory", 1 << 22)
-    llm = LLM(str(model_dir), dtype="float32", device="cpu", **kwargs)
+    llm = LLM(str(model_dir), dtype="float32", device=TEST_DEVICE, **kwargs)
     params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=3)
     return llm, llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
 

@@ -29,6 +29,7 @@ from pagedllm.core.contracts import (
     ModelContext,
 )
 from pagedllm.plugins.models.layers import K_SCALE_CONSTANT, V_SCALE_CONSTANT, Attention, KVScaleCalculation
+from tests.conftest import TEST_DEVICE
 
 SCALE = 200.0
 PROMPTS = [[5, 17, 42, 99, 3, 250, 7, 8, 61, 12, 33, 4, 9, 100, 200, 300], [301, 2, 77, 8, 9, 10]]
@@ -52,7 +53,7 @@ def models(tiny_model_dir, tmp_path_factory) -> tuple[Path, Path]:
 
 
 def engine(model_dir: Path, **kwargs) -> LLM:
-    return LLM(str(model_dir), dtype="float32", device="cpu", kv_cache_memory=1 << 22, **kwargs)
+    return LLM(str(model_dir), dtype="float32", device=TEST_DEVICE, kv_cache_memory=1 << 22, **kwargs)
 
 
 def prompt_logprobs(llm: LLM, prompts: list[list[int]] = PROMPTS) -> torch.Tensor:

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.conftest import TEST_DEVICE
 from tests.conftest import save_tokenizer
 from tests.test_llm import assert_parity, make_prompts, new_llm, run_engine
 
@@ -365,5 +366,5 @@ def test_gguf_matches_transformers(tmp_path, variant):
         torch.testing.assert_close(tensor, state[name].float(), atol=1e-6, rtol=0, msg=name)
 
     prompts = make_prompts(seed=4, lens=[3, 17, 40])
-    llm = LLM(str(path), tokenizer=str(hf_dir), kv_cache_memory=1 << 24, dtype="float32", device="cpu")
+    llm = LLM(str(path), tokenizer=str(hf_dir), kv_cache_memory=1 << 24, dtype="float32", device=TEST_DEVICE)
     assert_parity(run_engine(llm, prompts), reference(hf_dir, prompts))

@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("bitsandbytes")
 
 from pagedllm import LLM  # noqa: E402
+from tests.conftest import TEST_DEVICE  # noqa: E402
 from tests._checkpoints import split_linears, write_pair  # noqa: E402
 from tests.test_llm import assert_parity, make_prompts, reference, run_engine  # noqa: E402
 
@@ -50,7 +51,7 @@ CASES = {
 def test_matches_transformers_on_the_dequantized_weights(tiny_model_dir, tmp_path, case):
     out, ref = tmp_path / "bnb", tmp_path / "ref"
     write_checkpoint(tiny_model_dir("llama"), out, ref, **CASES[case])
-    llm = LLM(str(out), dtype="float32", device="cpu", kv_cache_memory=1 << 24, load_format="bitsandbytes")
+    llm = LLM(str(out), dtype="float32", device=TEST_DEVICE, kv_cache_memory=1 << 24, load_format="bitsandbytes")
     assert_parity(run_engine(llm, PROMPTS), reference(ref, PROMPTS))
 
 
@@ -71,7 +72,7 @@ def test_in_flight_nf4_matches_the_library(tiny_model_dir, tmp_path):
     assert (codes == theirs).float().mean() > 0.999 and torch.allclose(absmax.reshape(-1), state.absmax)
     src = tiny_model_dir("llama")
     write_checkpoint(src, tmp_path / "unused", tmp_path / "ref", double_quant=False)
-    llm = LLM(str(src), dtype="float32", device="cpu", kv_cache_memory=1 << 24, quantization="bitsandbytes")
+    llm = LLM(str(src), dtype="float32", device=TEST_DEVICE, kv_cache_memory=1 << 24, quantization="bitsandbytes")
     layer = llm.engine.worker.model.model.layers[0].self_attn.qkv_proj
     assert len(layer.bnb_kernels) == 3, "q, k and v run on the native codebook kernel"
     assert_parity(run_engine(llm, PROMPTS), reference(tmp_path / "ref", PROMPTS))
@@ -86,4 +87,4 @@ def test_an_incomplete_layer_is_named(tiny_model_dir, tmp_path):
     del tensors["model.layers.1.mlp.up_proj.weight.absmax"]
     save_file(tensors, str(out / "model.safetensors"))
     with pytest.raises(ValueError, match=r"model.layers.1.mlp.up_proj.weight is incomplete"):
-        LLM(str(out), dtype="float32", device="cpu", kv_cache_memory=1 << 24)
+        LLM(str(out), dtype="float32", device=TEST_DEVICE, kv_cache_memory=1 << 24)

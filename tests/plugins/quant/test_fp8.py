@@ -15,6 +15,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.ops.cpu import dense
+from tests.conftest import TEST_DEVICE
 from tests._fp8_quant import (
     engine_log_likelihoods,
     fp8_checkpoint,
@@ -29,7 +30,7 @@ PPL_RTOL = 0.02
 
 
 def engine(path, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 24, **kw)
+    return LLM(str(path), dtype="float32", device=TEST_DEVICE, kv_cache_memory=1 << 24, **kw)
 
 
 CASES = {

@@ -12,6 +12,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.core.contracts import QuantConfig
+from tests.conftest import TEST_DEVICE
 from tests._int_quant import quantized_checkpoint
 from tests.test_llm import assert_parity, make_prompts, reference, run_engine
 
@@ -37,7 +38,7 @@ def build(tiny_model_dir, tmp_path, arch="llama", wide=False, **kw):
 
 
 def engine(path, **kw) -> LLM:
-    return LLM(str(path), dtype="float32", device="cpu", kv_cache_memory=1 << 24, **kw)
+    return LLM(str(path), dtype="float32", device=TEST_DEVICE, kv_cache_memory=1 << 24, **kw)
 
 
 @pytest.mark.parametrize("case", sorted(CASES))

@@ -14,6 +14,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.core import sampler as sampler_module
+from tests.conftest import TEST_DEVICE
 from tests._eagle3 import write_head
 
 ARCHS = ["llama", "qwen2", "qwen3", "mistral"]
@@ -45,7 +46,7 @@ def prompts(seed: int = 0) -> list[list[int]]:
 
 def llm(model_dir, **kwargs) -> LLM:
     kwargs.setdefault("kv_cache_memory", 1 << 24)
-    return LLM(str(model_dir), dtype="float32", device="cpu", **kwargs)
+    return LLM(str(model_dir), dtype="float32", device=TEST_DEVICE, **kwargs)
 
 
 def generate(engine: LLM, prompt_ids, params: SamplingParams):
