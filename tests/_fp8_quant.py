@@ -100,7 +100,7 @@ def engine_log_likelihoods(llm, ids: list[int]) -> torch.Tensor:
         hidden = worker.model(layout.input_ids, layout.positions,
                               AttentionContext(worker.builder.build(layout), worker.kv_caches))
         logits = worker.model.compute_logits(hidden)
-    rows = torch.log_softmax(logits.double(), -1)[:-1]
+    rows = torch.log_softmax(logits.double(), -1)[:-1].cpu()
     return rows.gather(1, torch.tensor(ids[1:]).unsqueeze(1)).squeeze(1)
 
 

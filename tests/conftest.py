@@ -24,6 +24,10 @@ if TEST_DEVICE not in ("cpu", "cuda"):
     raise ValueError(f"PAGEDLLM_TEST_DEVICE must be cpu or cuda, got {TEST_DEVICE!r}")
 if TEST_DEVICE == "cuda" and not torch.cuda.is_available():
     raise RuntimeError("PAGEDLLM_TEST_DEVICE=cuda but torch sees no CUDA device")
+# the fast attention backend beside the TORCH reference in backend-parametrized tests
+NATIVE_BACKEND = "CPU_ATTN" if TEST_DEVICE == "cpu" else "TRITON"
+# a test of the CPU's own kernels or defaults (its CUDA counterpart, if any, is marked cuda)
+cpu_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="checks the CPU's own kernels or defaults")
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -57,7 +57,7 @@ def quantize_nf4(w: torch.Tensor, block: int = IN_FLIGHT_BLOCK) -> tuple[torch.T
     blocks = w.float().reshape(n, k // block, block)
     absmax = blocks.abs().amax(dim=-1).clamp(min=1e-12)
     normed = (blocks / absmax[..., None]).reshape(n, k)
-    table = torch.tensor(NF4)
+    table = torch.tensor(NF4, device=w.device)
     mids = (table[1:] + table[:-1]) / 2
     codes = torch.bucketize(normed, mids).to(torch.uint8)
     return codes, absmax
@@ -153,16 +153,18 @@ class BnB4bitMethod(LinearMethod):
         if layer.bnb_dense is not None:
             return layer.bnb_dense(x, bias)
         k, n = layer.bnb_in, sum(layer.bnb_sizes)
-        x2 = x.reshape(-1, k).float().contiguous()
+        x2 = x.reshape(-1, k)
         if layer.bnb_triton:
             from pagedllm.plugins.quant import triton_int
 
+            xt = triton_int.operand(x2)
             out = torch.empty(x2.shape[0], n, dtype=torch.float32, device=x.device)
             for words, scales, lut, block, start, end in layer.bnb_triton:
-                out[:, start:end] = triton_int.linear(x2, words, scales, lut, block, 4, codebook=True)
+                out[:, start:end] = triton_int.linear(xt, words, scales, lut, block, 4, codebook=True)
         elif len(layer.bnb_kernels) == 1:
-            out = native.lut4_linear(x2, layer.bnb_kernels[0][0])
+            out = native.lut4_linear(x2.float().contiguous(), layer.bnb_kernels[0][0])
         else:
+            x2 = x2.float().contiguous()
             out = torch.empty(x2.shape[0], n, dtype=torch.float32)
             for w, start, end in layer.bnb_kernels:
                 native.lut4_linear(x2, w, out[:, start:end])

@@ -264,9 +264,9 @@ class Fp8LinearMethod(LinearMethod):
                 codes, scale = quantize_rows(x2, bk)
                 x2 = (codes.float().view(x2.shape[0], -1, bk) * scale[..., None]).view_as(x2).to(x.dtype)
             if layer.fp8_triton is not None:
-                from pagedllm.plugins.quant import triton_fp8
+                from pagedllm.plugins.quant import triton_fp8, triton_int
 
-                out = triton_fp8.linear(x2.float().contiguous(), *layer.fp8_triton, self.cfg.block)
+                out = triton_fp8.linear(triton_int.operand(x2), *layer.fp8_triton, self.cfg.block)
                 if bias is not None:
                     out = out + bias
                 out = out.to(x.dtype)

@@ -350,7 +350,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
             raise ValueError(f"{layer.prefix}: weight has {loaded.shape[0]}x{cols} values, expected {vocab}x{hidden}")
         layer.gguf_qtype = qtype
         if qtype is None:
-            param.data = loaded.to(layer.gguf_params_dtype)
+            param.data = loaded.to(param.device, layer.gguf_params_dtype)
         else:
             layer.qweight_raw = nn.Parameter(loaded.to(param.device), requires_grad=False)
 

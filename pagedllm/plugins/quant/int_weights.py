@@ -85,7 +85,7 @@ def split_by_order(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tenso
     groups contiguous (act-order), applied to the codes here and to the activations per
     call."""
     k = codes.shape[1]
-    in_order = torch.arange(k, dtype=torch.int64) // group
+    in_order = torch.arange(k, dtype=torch.int64, device=g_idx.device) // group
     runs: list[tuple[torch.Tensor | None, int, int]] = []  # (perm, first row, end row)
     row = 0
     for shard, size in enumerate(output_sizes):
@@ -197,8 +197,9 @@ class IntLinear:
             row = 0
             for p in parts:
                 rows = p.codes.shape[0]
-                self.triton_parts.append((triton_int.pack(p.codes, p.bits), p.scales.t().contiguous(),
-                                          p.zeros.t().contiguous(), p, row, row + rows))
+                self.triton_parts.append((triton_int.pack(p.codes, p.bits).to(device),
+                                          p.scales.t().contiguous().to(device), p.zeros.t().contiguous().to(device),
+                                          p, row, row + rows))
                 row += rows
             self.kind = f"triton-{'+'.join(f'int{p.bits}' for p in parts)}"
         elif packed and all(w is not None for w in packed):
@@ -248,17 +249,18 @@ class IntLinear:
         if self.dense is not None:
             return self.dense(x, bias)
         rows = x.numel() // self.k
-        x2 = x.reshape(rows, self.k).float().contiguous()
         if self.triton_parts:
             from pagedllm.plugins.quant import triton_int
 
+            xt = triton_int.operand(x.reshape(rows, self.k))
             out = torch.empty(rows, self.n, dtype=torch.float32, device=x.device)
             for words, scales, zeros, p, start, end in self.triton_parts:
-                xp = x2 if p.perm is None else x2.index_select(1, p.perm.to(x.device)).contiguous()
+                xp = xt if p.perm is None else xt.index_select(1, p.perm.to(x.device)).contiguous()
                 out[:, start:end] = triton_int.linear(xp, words, scales, zeros, p.group, p.bits)
             if bias is not None:
                 out += bias
             return out.to(x.dtype).view(*x.shape[:-1], self.n)
+        x2 = x.reshape(rows, self.k).float().contiguous()
         out = self._native(x2, gemm=rows >= self.gemm_from)
         if bias is not None:
             out += bias

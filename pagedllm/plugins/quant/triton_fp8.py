@@ -8,8 +8,9 @@ bias 7, 3 mantissa bits; exact in float32), which also lets the kernel run under
 TRITON_INTERPRET=1 on the CPU, where numpy has no float8 type. A program computes a
 [BLOCK_M, BLOCK_N] tile of y; each BLOCK_K step (dividing bk, so a step sees one scale
 column) loads a [BLOCK_K, BLOCK_N] tile of codes and the scales of its rows' blocks, and
-accumulates `tl.dot` in float32. Activations arrive as float32 (the W8A8 per-token-group
-rounding, where asked, is applied before the call).
+accumulates `tl.dot` in float32 (triton_int.dot_tile). Activations arrive in float32 or the
+model's 16-bit dtype (the W8A8 per-token-group rounding, where asked, is applied before
+the call).
 
 This module needs triton; on the CPU it runs only under TRITON_INTERPRET=1 (tests).
 """
@@ -20,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedllm.plugins.quant.triton_int import BLOCK_N, block_k, launch, x_tile
+from pagedllm.plugins.quant.triton_int import BLOCK_N, block_k, dot_tile, launch, x_tile
 
 
 @triton.jit
@@ -44,12 +45,12 @@ def _fp8_block_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BN_SCALE, BK_SCALE,
         mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
         w = tl.where((b >> 7) == 1, -mag, mag)
         scale = tl.load(s_ptr + (rn // BN_SCALE) * stride_sn + k0 // BK_SCALE, mask=rn < N, other=0.0)
-        acc += tl.dot(x.to(tl.float32), w * scale[None, :])
+        acc += dot_tile(x, w * scale[None, :])
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
 def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """x [M, K] float32 @ W^T -> [M, N] float32, for codes float8_e4m3fn (or their uint8
+    """x [M, K] (float32, or 16-bit: see triton_int.dot_tile) @ W^T -> [M, N] float32, for codes float8_e4m3fn (or their uint8
     view) [N, K] and float32 scales [ceil(N / bn), ceil(K / bk)]."""
     m, k = x.shape
     n = codes.shape[0]

@@ -8,7 +8,9 @@ rows per word (GPTQ's own qweight layout, [K / per_word, N]); scales and zeros a
 [groups, N] in the activation dtype's float. A program computes a [BLOCK_M, BLOCK_N] tile
 of y; each BLOCK_K step loads the words for its rows, shifts the codes out, applies the
 group's scale and zero (BLOCK_K divides the group size, so a step sees one group), and
-accumulates `tl.dot` in float32. Act-order layers permute x's columns before the call.
+accumulates `tl.dot` in float32 (`dot_tile`: float32 activations multiply in float32, 16-bit
+ones on the tensor cores with the tile rounded to their dtype, as transformers multiplies a
+16-bit model's dequantized weights). Act-order layers permute x's columns before the call.
 
 This module needs triton; on the CPU it runs only under TRITON_INTERPRET=1 (tests).
 """
@@ -25,6 +27,17 @@ def x_tile(x_ptr, rm, kk, M, K, stride_xm):
     """Rows rm, columns kk of x [M, K] (row stride stride_xm), zeros outside it."""
     return tl.load(x_ptr + rm[:, None] * stride_xm + kk[None, :], mask=(rm[:, None] < M) & (kk[None, :] < K),
                    other=0.0)
+
+
+@triton.jit
+def dot_tile(x, w):
+    """x @ w with float32 sums. float32 x: float32 products (tl.dot would round both to tf32
+    on a GPU: measured on an H200, 1e-2 off a 128-wide product); 16-bit x: w rounded to x's
+    dtype, the tensor cores' products."""
+    if x.dtype == tl.float32:
+        return tl.dot(x, w.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(x, w.to(x.dtype))
 
 
 @triton.jit
@@ -53,7 +66,7 @@ def _int_gemm(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, M, N, K, GROUP,
         else:
             zero = tl.load(z_ptr + g * stride_sg + rn, mask=rn < N, other=0.0)
             w = (codes.to(tl.float32) - zero[None, :].to(tl.float32)) * scale[None, :].to(tl.float32)
-        acc += tl.dot(x.to(tl.float32), w)
+        acc += dot_tile(x, w)
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc, mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
@@ -87,9 +100,16 @@ def launch(m: int, n: int) -> tuple[int, tuple[int, int]]:
     return block_m, (triton.cdiv(m, block_m), triton.cdiv(n, BLOCK_N))
 
 
+def operand(x: torch.Tensor) -> torch.Tensor:
+    """x as these kernels take it: contiguous, in its own 16-bit dtype (tensor-core
+    products) or else float32."""
+    return (x if x.dtype in (torch.float16, torch.bfloat16) else x.float()).contiguous()
+
+
 def linear(x: torch.Tensor, words: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group: int,
            bits: int, codebook: bool = False) -> torch.Tensor:
-    """x [M, K] @ W^T -> [M, N] float32, W = scale * (q - zero) per group, or with
+    """x [M, K] (float32, or 16-bit for tensor-core products) @ W^T -> [M, N] float32,
+    W = scale * (q - zero) per group, or with
     `codebook` W = zeros[q] * scale (`zeros` then being the float32 value of each code:
     bitsandbytes' NF4 / FP4 quant_map, `scales` the blocks' absmax)."""
     m, k = x.shape

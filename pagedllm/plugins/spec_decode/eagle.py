@@ -258,7 +258,8 @@ def load_head(head: EagleHead, tensors: Iterator[tuple[str, torch.Tensor]], path
         target, shard = place
         module = target.split(".")[0]
         if module in optional and getattr(head, module) is None:
-            setattr(head, module, VocabEmbedding(tensor.shape[0], tensor.shape[1], head.fc.weight.dtype))
+            with torch.device(head.fc.weight.device):  # where the rest of the head was built
+                setattr(head, module, VocabEmbedding(tensor.shape[0], tensor.shape[1], head.fc.weight.dtype))
             params.update({f"{module}.{k}": v for k, v in getattr(head, module).named_parameters()})
         if target not in params:
             raise ValueError(f"EAGLE head {path}: tensor {name!r} has no place in the head "

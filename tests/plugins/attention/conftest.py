@@ -40,12 +40,17 @@ class PagedBatch:
 
     def to(self, device: str | torch.device) -> "PagedBatch":
         device = torch.device(device)
-        fields = {name: getattr(self.layout, name).to(device) for name in (
-            "input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc", "seq_lens")}
         return PagedBatch(
-            spec=replace(self.spec, device=device), layout=replace(self.layout, **fields),
+            spec=replace(self.spec, device=device), layout=layout_to(self.layout, device),
             q=self.q.to(device), k=self.k.to(device), v=self.v.to(device),
             kv_cache=self.kv_cache.to(device), scale=self.scale)
+
+
+def layout_to(layout: BatchLayout, device: str | torch.device) -> BatchLayout:
+    """The layout with its device tensors on `device` (the *_cpu copies stay)."""
+    fields = {name: getattr(layout, name).to(device) for name in (
+        "input_ids", "positions", "slot_mapping", "block_tables", "query_start_loc", "seq_lens")}
+    return replace(layout, **fields)
 
 
 def build_layout(requests: list[tuple[int, int]], block_size: int, num_blocks: int,

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import DEVICE, build_layout
+from conftest import DEVICE, build_layout, layout_to
 from pagedllm.core.contracts import AttentionSpec, kv_cache_torch_dtype
 from pagedllm.core.plugins import get_registry
 from pagedllm.plugins.attention.torch_ref import TorchBackend
@@ -76,7 +76,7 @@ class MlaBatch:
 
     def run(self, backend) -> tuple[torch.Tensor, torch.Tensor]:
         cache = self.cache.clone().to(DEVICE)
-        layout = self.layout
+        layout = layout_to(self.layout, DEVICE)
         metadata = backend.builder_cls()(self.spec).build(layout)
         impl = backend.impl_cls()(self.spec, self.scale)
         impl.k_scale = self.k_scale

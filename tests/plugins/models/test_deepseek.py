@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import save_tokenizer
+from tests.conftest import TEST_DEVICE, save_tokenizer
 from pagedllm import SamplingParams
 from tests.test_llm import NUM_TOKENS, assert_parity, hf_greedy, make_prompts, new_llm, run_engine
 
@@ -106,7 +106,8 @@ def test_greedy_parity(model_dir, name):
     path = model_dir(name)
     prompts = PROMPTS if name in ("v3", "v2-lite") else PROMPTS[:4]  # the variants: fewer
     llm = new_llm(path)
-    assert llm.engine.worker.backend.name == "TORCH", "auto-selection on the CPU must pick TORCH for MLA"
+    expected = "TORCH" if TEST_DEVICE == "cpu" else "TRITON"
+    assert llm.engine.worker.backend.name == expected, f"auto-selection on {TEST_DEVICE} must pick {expected} for MLA"
     outputs = run_engine(llm, prompts)
     ref = reference(path, prompts)
     assert_parity(outputs, ref)

@@ -6,7 +6,7 @@ their own RoPE (linear scaling on the global one), and soft-cap final logits at 
 the random logits exceed; norm weights are random (transformers initialises them to zero,
 which would hide a wrong (1 + w)). Greedy tokens must equal transformers' (eager
 attention, float32) and logprobs stay within 2e-3 through plain runs, chunked prefill,
-prefix caching and preemption, on TORCH and CPU_ATTN, and on TRITON (interpreted) briefly.
+prefix caching and preemption, on TORCH and CPU_ATTN (TRITON instead on a GPU), and on TRITON (interpreted) briefly.
 """
 
 from __future__ import annotations
@@ -18,13 +18,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.conftest import TEST_DEVICE
-from tests.conftest import save_tokenizer
+from tests.conftest import NATIVE_BACKEND, TEST_DEVICE, save_tokenizer
 from tests.test_llm import assert_parity, make_prompts, new_llm, run_engine
 
 NUM_TOKENS = 32  # what tests.test_llm.run_engine generates
 PROMPT_LENS = [3, 17, 40, 1, 25]
-BACKENDS = ["TORCH", "CPU_ATTN"]
+BACKENDS = ["TORCH", NATIVE_BACKEND]
 LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
 FINAL_CAP = 8.0  # below the random models' largest logits (about 10), so the cap binds
 ATTN_CAP = 5.0

@@ -7,7 +7,7 @@ which writes the older layout (language_model.model.*, vision_tower.* / vision_m
 one Gemma 3 copy is rewritten in the newer layout (model.language_model.*,
 model.vision_tower.*, model.multi_modal_projector.*, lm_head.*), which transformers reads
 too. Greedy tokens must equal transformers' and logprobs stay within 2e-3 through plain,
-chunked-prefill, prefix-caching and preemption runs: Gemma 3 on TORCH and CPU_ATTN,
+chunked-prefill, prefix-caching and preemption runs: Gemma 3 on TORCH and CPU_ATTN (TRITON instead on a GPU),
 Llama 4 (chunked local attention) on TORCH. The text configs carry the features of the
 text-model tests (Gemma 3: sliding and global layers with their own RoPE, soft-capped
 logits, random norm weights; Llama 4: MoE, chunked attention, a NoPE layer, temperature
@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests._models import cached_builds
-from tests.conftest import save_tokenizer
+from tests.conftest import NATIVE_BACKEND, save_tokenizer
 from tests.test_llm import NUM_TOKENS, PROMPT_LENS, assert_parity, make_prompts, new_llm, run_engine
 
 GEMMA_PROMPT_LENS = [3, 17, 40, 1, 25]
@@ -56,7 +56,7 @@ MODELS = {
     "gemma3-tied-new-layout": ("Gemma3ForConditionalGeneration", True, 0.05, True),
     "llama4": ("Llama4ForConditionalGeneration", False, 0.3, False),
 }
-GEMMA_BACKENDS = ["TORCH", "CPU_ATTN"]
+GEMMA_BACKENDS = ["TORCH", NATIVE_BACKEND]
 
 
 def _newer_layout(name: str) -> str:

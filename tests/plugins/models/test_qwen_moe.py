@@ -1,6 +1,6 @@
 """Qwen3-MoE and Qwen2-MoE against transformers on tiny random models: greedy tokens and
 logprobs through plain, chunked-prefill, prefix-caching and preemption runs, on the TORCH
-and CPU_ATTN attention backends."""
+and CPU_ATTN attention backends (TRITON instead on a GPU)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests._models import cached_builds, reference, save_hf_model
+from tests.conftest import NATIVE_BACKEND
 from tests.test_llm import (
     NUM_TOKENS,
     PROMPT_LENS,
@@ -17,7 +18,7 @@ from tests.test_llm import (
     run_engine,
 )
 
-BACKENDS = ["TORCH", "CPU_ATTN"]
+BACKENDS = ["TORCH", NATIVE_BACKEND]
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_experts=8,
             num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, initializer_range=0.3, bos_token_id=0, eos_token_id=1, pad_token_id=1,

@@ -31,10 +31,10 @@ from pagedllm.plugins.models.rope import (
     rope_parameters,
     yarn_attention_scale,
 )
-from tests.conftest import build_tiny_model
+from tests.conftest import NATIVE_BACKEND, build_tiny_model
 from tests.test_llm import assert_parity, hf_greedy, make_prompts, new_llm, run_engine
 
-BACKENDS = ["TORCH", "CPU_ATTN"]
+BACKENDS = ["TORCH", NATIVE_BACKEND]
 HEAD_DIM = 16
 SHORT = [1.0 + 0.1 * i for i in range(HEAD_DIM // 2)]
 LONG = [1.5 + 0.5 * i for i in range(HEAD_DIM // 2)]

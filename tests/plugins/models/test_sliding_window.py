@@ -1,7 +1,7 @@
 """Sliding-window attention (Mistral, Qwen2/Qwen3 `use_sliding_window`) against
 transformers on tiny random models whose window (16) is shorter than most prompts:
 which layers slide, greedy parity through plain, chunked-prefill, prefix-caching and
-preemption runs on TORCH and CPU_ATTN (TRITON interpreted on one small case), and what
+preemption runs on TORCH and CPU_ATTN (TRITON instead on a GPU; interpreted here on one small case), and what
 an all-windowed model buys: blocks older than the window go back to the pool while the
 request runs, so a sequence longer than the whole cache completes.
 
@@ -21,10 +21,10 @@ from pagedllm.core.contracts import KVCacheSpec
 from tests._models import reference as shared_reference
 from pagedllm.plugins.models.llama import LlamaForCausalLM, MistralForCausalLM
 from pagedllm.plugins.models.qwen import Qwen2ForCausalLM, Qwen3ForCausalLM
-from tests.conftest import build_tiny_model
+from tests.conftest import NATIVE_BACKEND, build_tiny_model
 from tests.test_llm import assert_parity, make_prompts, new_llm, run_engine
 
-BACKENDS = ["TORCH", "CPU_ATTN"]
+BACKENDS = ["TORCH", NATIVE_BACKEND]
 WINDOW = 16
 MODELS = {
     # every layer windowed

@@ -15,7 +15,7 @@ import torch
 
 from pagedllm import LLM, SamplingParams
 from pagedllm.ops.cpu import dense
-from tests.conftest import TEST_DEVICE
+from tests.conftest import TEST_DEVICE, cpu_only
 from tests._fp8_quant import (
     engine_log_likelihoods,
     fp8_checkpoint,
@@ -59,6 +59,7 @@ def kind_precision(llm) -> str:
     return "bf16" if "bf16" in layer.fp8_kind else "f32"
 
 
+@cpu_only
 @pytest.mark.parametrize("case", sorted(CASES) + ["flag"])
 def test_fp8_runs_weight_only_on_the_cpu(tiny_model_dir, tmp_path, case):
     """By default (no fp8 arithmetic here) the activations stay float: greedy tokens and
@@ -77,6 +78,7 @@ def test_fp8_runs_weight_only_on_the_cpu(tiny_model_dir, tmp_path, case):
     assert agree == total, f"{case}: {total - agree} of {total} greedy tokens are not transformers' argmax"
 
 
+@cpu_only
 def test_fp8_takes_bf16_products_only_where_medium_precision_allows(tiny_model_dir, tmp_path, monkeypatch):
     """`--dtype float32` keeps float32 activations (above); "medium" precision on a CPU that
     multiplies bf16 natively rounds them to bf16 for our bf16 GEMM, and stays close."""
@@ -126,6 +128,7 @@ def test_fp8_checkpoint_matches_transformers_with_the_same_fp8_rounding(tiny_mod
     assert len(greedy[0].outputs[0].token_ids) == 8
 
 
+@cpu_only  # its CUDA counterpart (W8A8 on torch._scaled_mm): test_fp8_on_cuda_uses_scaled_mm
 def test_quantization_flag_quantizes_a_float_checkpoint_while_loading(tiny_model_dir, tmp_path, w8a8):
     """One scale per output row, per-token activations (W8A8): transformers on the same rounding."""
     src = tiny_model_dir("llama")

@@ -12,7 +12,7 @@ import torch
 
 from pagedllm import LLM
 from pagedllm.core.contracts import QuantConfig
-from tests.conftest import TEST_DEVICE
+from tests.conftest import TEST_DEVICE, cpu_only
 from tests._int_quant import quantized_checkpoint
 from tests.test_llm import assert_parity, make_prompts, reference, run_engine
 
@@ -48,6 +48,7 @@ def test_matches_transformers_on_the_dequantized_weights(tiny_model_dir, tmp_pat
     assert_parity(run_engine(llm, PROMPTS), reference(ref, PROMPTS))
 
 
+@cpu_only
 @pytest.mark.parametrize("case", ["awq-g32", "gptq-4bit-act-order", "gptq-8bit-sym"])
 def test_many_rows_decode_the_codes_into_the_gemm(tiny_model_dir, tmp_path, case, monkeypatch):
     """The GEMM path (codes decoded panel by panel, chosen from a measured row count) with
@@ -64,6 +65,7 @@ def test_many_rows_decode_the_codes_into_the_gemm(tiny_model_dir, tmp_path, case
     assert_parity(run_engine(llm, PROMPTS), reference(ref, PROMPTS))
 
 
+@cpu_only
 def test_fused_layers_run_on_the_native_kernels(tiny_model_dir, tmp_path):
     out, _ = build(tiny_model_dir, tmp_path, fmt="gptq", group=32, sym=True, act_order=True)
     model = engine(out).engine.worker.model

@@ -51,7 +51,8 @@ def test_block_fp8_layer_keeps_its_codes_on_the_triton_path(monkeypatch):
     method = fp8.Fp8LinearMethod(cfg)
     layer = nn.Module()
     layer.prefix = "test.qkv_proj"
-    method.create_weights(layer, k, sizes, torch.float32)
+    with torch.device(DEVICE):  # as the engine builds its layers
+        method.create_weights(layer, k, sizes, torch.float32)
     codes = (torch.randn(sum(sizes), k, generator=gen) * 30).to(torch.float8_e4m3fn)
     scales = torch.rand(sum(sizes) // block[0], k // block[1], generator=gen) * 0.01 + 1e-3
     layer.weight.data.copy_(codes)
