@@ -75,14 +75,15 @@ def test_memory_plan_profiles_the_gpu_and_shutdown_gives_it_back(tiny_model_dir)
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
     total = torch.cuda.mem_get_info()[1]
-    # 1024 sequences of 8192 tokens would want ~2 GiB of this model's cache: 1% of the GPU binds
-    llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.01, max_model_len=8192,
-              max_num_seqs=1024)
+    # 4096 sequences of 8192 tokens would want ~8 GiB of this model's cache: 5% of the GPU binds.
+    # The CUDA context, cuBLAS and Triton's modules count against it too (~0.85 GiB on an H200).
+    llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.05, max_model_len=8192,
+              max_num_seqs=4096)
     budget = llm.engine.worker.budget
     cache_bytes = sum(t.numel() * t.element_size() for t in llm.engine.worker.kv_caches)
-    assert budget.num_blocks < 1024 * 8192 // 16, "the sequences' cap bound, not the utilization"
-    assert cache_bytes <= 0.01 * total, f"the KV cache ({cache_bytes / 2**30:.2f} GiB) passes 1% of the GPU"
-    assert cache_bytes >= 0.005 * total, f"the KV cache ({cache_bytes / 2**30:.2f} GiB) left most of its 1% unused"
+    assert budget.num_blocks < 4096 * 8192 // 16, "the sequences' cap bound, not the utilization"
+    assert cache_bytes <= 0.05 * total, f"the KV cache ({cache_bytes / 2**30:.2f} GiB) passes 5% of the GPU"
+    assert cache_bytes >= 0.025 * total, f"the KV cache ({cache_bytes / 2**30:.2f} GiB) left most of its 5% unused"
     outputs = run_engine(llm, make_prompts()[:2])
     assert all(len(o.outputs[0].token_ids) == NUM_TOKENS for o in outputs)
     llm.shutdown()

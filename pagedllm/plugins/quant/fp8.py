@@ -68,6 +68,22 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     return codes.view_as(rows), scale.squeeze(-1)
 
 
+def scaled_mm(xq: torch.Tensor, wt: torch.Tensor, x_scale: torch.Tensor, row_scale: torch.Tensor,
+              dtype: torch.dtype) -> torch.Tensor:
+    """fp8 codes xq [M, K] @ wt [K, N] on the FP8 tensor cores, scaled per token (x_scale
+    [M, 1]) and per output row (row_scale [N]). Row-wise scales applied in the GEMM give a
+    bf16 result only, which a float32 model must not take (on an H200 it moved a tiny
+    model's log-likelihoods by 0.1-0.2 nats against the same fp8 rounding in float32): there
+    the GEMM runs with unit scales and a float32 result (fp8 products are exact in float32),
+    and both scales are applied after it, in float32."""
+    if dtype == torch.float32:
+        one = torch.ones((), dtype=torch.float32, device=xq.device)
+        out = torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
+        return out * x_scale * row_scale[None, :]
+    return torch._scaled_mm(xq, wt, scale_a=x_scale.contiguous(), scale_b=row_scale[None, :].contiguous(),
+                            out_dtype=torch.bfloat16)
+
+
 def quantizes_activations(device: torch.device) -> bool:
     """Whether FP8 layers on `device` quantize their inputs to fp8 (W8A8) or run weight-only
     (W8A16): PAGEDLLM_FP8_ACTIVATIONS, by default only where fp8 products exist."""
@@ -282,9 +298,7 @@ class Fp8LinearMethod(LinearMethod):
             xq, x_scale = quantize_rows(x2)
             x_scale = x_scale[:, None]
         if layer.fp8_gemm is None:  # CUDA: FP8 tensor cores (W8A8 only)
-            # row-wise scales (per token x per output row) take a bf16 output
-            out = torch._scaled_mm(xq, layer.weight.t(), scale_a=x_scale.contiguous(),
-                                   scale_b=layer.fp8_row_scale[None, :].contiguous(), out_dtype=torch.bfloat16)
+            out = scaled_mm(xq, layer.weight.t(), x_scale, layer.fp8_row_scale, x.dtype)
         else:
             out = layer.fp8_gemm(xq.float()).float()
             out = (out if x_scale is None else out * x_scale) * layer.fp8_row_scale
