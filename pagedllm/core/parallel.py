@@ -83,7 +83,12 @@ class Group:
         """The smallest of every rank's `value` (each rank's KV blocks -> the one block count)."""
         if self.size == 1:
             return value
-        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64), "min").item())
+        import torch.distributed as dist
+
+        # NCCL reduces GPU tensors only
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(self.group) == "nccl" \
+            else torch.device("cpu")
+        return int(self.all_reduce(torch.tensor([value], dtype=torch.int64, device=device), "min").item())
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Every rank's `x` (same shape everywhere) concatenated along `dim`, in rank order."""

@@ -180,7 +180,8 @@ class Worker:
         self.device = torch.device(config.device.resolved_device())
         local_rank, local_ranks = config.parallel.local_rank(parallel.rank)
         if self.device.type == "cuda" and local_ranks > 1:
-            self.device = torch.device("cuda", local_rank)
+            # a rank that sees fewer GPUs than the node has (a Ray actor sees its own one) takes its share
+            self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
         self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device.type)
         self.block_size = config.cache.block_size

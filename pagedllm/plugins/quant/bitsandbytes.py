@@ -107,7 +107,8 @@ class BnB4bitMethod(LinearMethod):
             if tuple(codes.shape) != (rows, layer.bnb_in):
                 raise ValueError(f"shape {tuple(codes.shape)} does not match {(rows, layer.bnb_in)}")
             entry = (codes, lut, absmax.reshape(rows, -1))
-        layer.bnb_shards[shard or 0] = entry
+        # checkpoint tensors arrive on the CPU; the kernel is chosen by where the shards are
+        layer.bnb_shards[shard or 0] = tuple(t.to(param.device) for t in entry)
 
     def process_after_loading(self, layer):
         if any(s is None for s in layer.bnb_shards):
@@ -194,7 +195,7 @@ class BnB8bitMethod(GroupedIntMethod):
         if scb is None or tuple(loaded.shape) != (rows, layer.int_input_size):
             raise ValueError(f"expected int8 codes {(rows, layer.int_input_size)} with their SCB, got "
                              f"{tuple(loaded.shape)}")
-        layer.bnb_shards[shard or 0] = (loaded, scb)
+        layer.bnb_shards[shard or 0] = (loaded.to(param.device), scb.to(param.device))
 
     def unpack(self, layer):
         codes = torch.cat([c for c, _ in layer.bnb_shards])

@@ -75,8 +75,9 @@ def scaled_mm(xq: torch.Tensor, wt: torch.Tensor, x_scale: torch.Tensor, row_sca
     bf16 result only, which a float32 model must not take (on an H200 it moved a tiny
     model's log-likelihoods by 0.1-0.2 nats against the same fp8 rounding in float32): there
     the GEMM runs with unit scales and a float32 result (fp8 products are exact in float32),
-    and both scales are applied after it, in float32."""
-    if dtype == torch.float32:
+    and both scales are applied after it, in float32; so does a float16 model, whose result
+    would otherwise pass through bf16."""
+    if dtype != torch.bfloat16:
         one = torch.ones((), dtype=torch.float32, device=xq.device)
         out = torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
         return out * x_scale * row_scale[None, :]
@@ -249,10 +250,12 @@ class Fp8LinearMethod(LinearMethod):
             layer.register_parameter("weight", nn.Parameter(codes, requires_grad=False))
             layer.fp8_kind = "scaled_mm"
             layer.fp8_gemm = None
-        elif device.type == "cuda":  # W8A16, or shapes _scaled_mm does not take: bf16 GEMM on the widened codes
-            wide = codes.to(torch.bfloat16)
-            layer.fp8_gemm = lambda xq, w=wide: F.linear(xq.to(torch.bfloat16), w).float()
-            layer.fp8_kind = f"fp8-as-bf16 {acts} (cuda)"
+        elif device.type == "cuda":  # W8A16, or shapes _scaled_mm does not take: one GEMM on the widened codes
+            # e4m3 values are exact in every float dtype: widen to the model's, so a float32 model keeps
+            # float32 products and a float16 one its activations' mantissa
+            wide = codes.to(layer.fp8_dtype if layer.fp8_dtype in (torch.float16, torch.bfloat16) else torch.float32)
+            layer.fp8_gemm = lambda xq, w=wide: F.linear(xq.to(w.dtype), w).float()
+            layer.fp8_kind = f"fp8-as-{str(wide.dtype).replace('torch.', '')} {acts} (cuda)"
         elif dense.bf16_products_allowed() and dense.bf16_available() and dense.bf16_sums_in_float32():
             # FP8 codes are exact in bf16, so only the activations' rounding to bf16 is lost,
             # which "medium" precision allows (--dtype float32 keeps float32 activations);

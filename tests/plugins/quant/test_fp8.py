@@ -257,6 +257,7 @@ def test_scaled_mm_keeps_float32_sums_for_a_float32_model():
     got = scaled_mm(xq, w.t(), x_scale, row_scale, torch.float32)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-3)
+    assert scaled_mm(xq, w.t(), x_scale, row_scale, torch.float16).dtype == torch.float32, "fp16 went through bf16"
     rounded = scaled_mm(xq, w.t(), x_scale, row_scale, torch.bfloat16)
     assert rounded.dtype == torch.bfloat16
     torch.testing.assert_close(rounded.double(), want, rtol=1e-2, atol=1.0)
