@@ -50,8 +50,9 @@ def _fp8_block_gemm(x_ptr, w_ptr, s_ptr, y_ptr, M, N, K, BN_SCALE, BK_SCALE,
 
 
 def linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """x [M, K] (float32, or 16-bit: see triton_int.dot_tile) @ W^T -> [M, N] float32, for codes float8_e4m3fn (or their uint8
-    view) [N, K] and float32 scales [ceil(N / bn), ceil(K / bk)]."""
+    """x [M, K] (float32, or 16-bit: see triton_int.dot_tile) @ W^T -> [M, N] float32, for
+    codes float8_e4m3fn (or their uint8 view) [N, K] and float32 scales
+    [ceil(N / bn), ceil(K / bk)]."""
     m, k = x.shape
     n = codes.shape[0]
     raw = codes.view(torch.uint8) if codes.dtype != torch.uint8 else codes

@@ -40,6 +40,21 @@ def test_kernel_matches_the_dequantized_formula(bits, group, m):
     torch.testing.assert_close(y.cpu(), x @ g.dequantize().t(), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton interpreter multiplies bf16 tiles as integers")
+def test_16_bit_activations_multiply_in_their_dtype():
+    """A bf16 model's activations stay bf16 (tensor-core products on a GPU): the tile is
+    rounded to bf16, the sums stay float32."""
+    g = random_groups(48, 128, 32, 4, seed=9)
+    x = torch.randn(5, 128).to(torch.bfloat16)
+    words = triton_int.pack(g.codes, 4).to(DEVICE)
+    y = triton_int.linear(triton_int.operand(x.to(DEVICE)), words, g.scales.t().contiguous().to(DEVICE),
+                          g.zeros.t().contiguous().to(DEVICE), 32, 4)
+    assert y.dtype == torch.float32
+    want = x.float() @ g.dequantize().to(torch.bfloat16).float().t()
+    torch.testing.assert_close(y.cpu(), want, rtol=1e-4, atol=1e-3)
+
+
 def test_int_linear_on_the_triton_path_with_act_order_and_fused_parts():
     parts = [random_groups(32, 64, 32, 4, seed=1, perm=True), random_groups(16, 64, 32, 4, seed=2)]
     layer = IntLinear(parts, torch.float32, DEVICE, "test", kernel="triton")
