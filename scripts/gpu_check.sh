@@ -13,8 +13,14 @@
 #      Llama-1B's shape in bfloat16, TRITON and TORCH, beside transformers generate() on the
 #      same GPU (the peers' venvs and vLLM do not exist there);
 #   6. scripts/gpu_attention_bench.py: decode and prefill time per backend with bandwidth.
-# Works offline. MODEL_LIKE (default .gpu/smollm2-config) holds a config.json and tokenizer
-# for stage 5 (the stage is skipped without it). Logs go to $OUT when set.
+# Works offline. A GPU machine without a registry lacks some of pagedllm's dependencies: carry them as wheels for its Python (3.12 on the H200 machines), e.g.
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     gguf starlette uvicorn llguidance
+# and install them there first: pip install --no-index --no-deps --target /tmp/site .whl/*.whl
+# with PYTHONPATH=/tmp/site. MODEL_LIKE (default .gpu/smollm2-config: copy config.json and the
+# tokenizer files, not the weights, from .peers/smollm2-hf, which scripts/setup_peers.sh makes)
+# holds the model shape for stage 5 (skipped without it). Logs go to $OUT when set.
 # Env: PYTHON (python3), DEADLINE (seconds for the whole run, default 520), STAGES (default
 # "attention engine quant bench attention_bench": the stages to run), BENCH_BUDGET (120 s), and
 # gpu_engine_bench.sh's.
