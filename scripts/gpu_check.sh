@@ -13,7 +13,8 @@
 #      Llama-1B's shape in bfloat16, TRITON and TORCH, beside transformers generate() on the
 #      same GPU (the peers' venvs and vLLM do not exist there);
 #   6. scripts/gpu_attention_bench.py: decode and prefill time per backend with bandwidth.
-# Works offline. A GPU machine without a registry lacks some of pagedllm's dependencies: carry them as wheels for its Python (3.12 on the H200 machines), e.g.
+# Works offline. A GPU machine without a registry lacks some of pagedllm's dependencies:
+# carry them as wheels for its Python (3.12 on the H200 machines), e.g.
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_31_x86_64 --platform manylinux2014_x86_64 -d .whl \
 #     gguf starlette uvicorn llguidance
