@@ -94,7 +94,7 @@ run attention 90 "${PYTEST[@]}" -m cuda tests/plugins/attention
 # deselected, not failed: the bundled SmolLM2 GGUF (a pip package) and suffix decoding (arctic-inference,
 # built against the installed torch) are not on a GPU machine without a registry
 want engine && stage "the engine on the GPU vs transformers (PAGEDLLM_TEST_DEVICE=cuda)" && \
-run engine 170 env PAGEDLLM_TEST_DEVICE=cuda "${PYTEST[@]}" -k "not smollm2 and not suffix" \
+run engine 170 env PAGEDLLM_TEST_DEVICE=cuda PAGEDLLM_TEST_REPORT="$LOGS/figures.log" "${PYTEST[@]}" -k "not smollm2 and not suffix" \
   tests/test_cuda_engine.py tests/test_llm.py tests/plugins/attention/test_backends_e2e.py \
   tests/core/test_prompt_logprobs.py tests/plugins/spec_decode/test_parity.py \
   tests/plugins/spec_decode/test_eagle3.py tests/plugins/spec_decode/test_eagle.py \

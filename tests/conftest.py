@@ -29,6 +29,17 @@ NATIVE_BACKEND = "CPU_ATTN" if TEST_DEVICE == "cpu" else "TRITON"
 # a test of the CPU's own kernels or defaults (its CUDA counterpart, if any, is marked cuda)
 cpu_only = pytest.mark.skipif(TEST_DEVICE != "cpu", reason="checks the CPU's own kernels or defaults")
 
+
+def report(line: str) -> None:
+    """A measured figure a passing test states: appended to $PAGEDLLM_TEST_REPORT when set
+    (scripts/gpu_check.sh collects them), else printed (shown with `pytest -s`)."""
+    path = os.environ.get("PAGEDLLM_TEST_REPORT")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+    else:
+        print(line)
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! Paris is the capital of France.",

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from pagedllm import LLM
+from tests.conftest import report
 from tests.test_llm import NUM_TOKENS, hf_greedy, make_prompts, reference, run_engine
 
 pytestmark = [
@@ -63,7 +64,7 @@ def test_bf16_is_as_close_to_float32_as_transformers_bf16(tiny_model_dir, arch, 
     llm = LLM(str(model_dir), dtype="bfloat16", device="cuda", attention_backend=backend, kv_cache_memory=1 << 26)
     assert llm.engine.worker.backend.name == backend
     ours = closeness(engine_rows(run_engine(llm, prompts)), fp32)
-    print(f"{arch} {backend}: prompts equal to float32 over {NUM_TOKENS} tokens, mean top-token logprob error: "
+    report(f"{arch} {backend}: prompts equal to float32 over {NUM_TOKENS} tokens, mean top-token logprob error: "
           f"ours {ours[0]}/{len(prompts)} {ours[1]:.4f}, transformers bf16 {theirs[0]}/{len(prompts)} {theirs[1]:.4f}")
     assert ours[0] >= theirs[0] - 1, f"bf16 greedy agreement with float32: ours {ours[0]}, transformers' {theirs[0]}"
     assert ours[1] <= 1.5 * theirs[1] + 0.01, f"bf16 logprob error: ours {ours[1]:.4f}, transformers' {theirs[1]:.4f}"
