@@ -106,12 +106,13 @@ run quant 60 "${PYTEST[@]}" tests/plugins/quant/test_triton_int.py \
   tests/plugins/quant/test_triton_fp8.py "tests/plugins/quant/test_fp8.py::test_fp8_on_cuda_uses_scaled_mm" \
   tests/plugins/moe_triton
 
-want bench && stage "engine throughput on random-weight models (bfloat16)"
-if ! want bench; then :
-elif [ -f "$MODEL_LIKE/config.json" ]; then
-  run bench "${BENCH_BUDGET:-120}" bash scripts/gpu_engine_bench.sh "$MODEL_LIKE" "$LOGS"
-else
-  echo "no $MODEL_LIKE/config.json: throughput stage skipped"
+if want bench; then
+  stage "engine throughput on random-weight models (bfloat16)"
+  if [ -f "$MODEL_LIKE/config.json" ]; then
+    run bench "${BENCH_BUDGET:-120}" bash scripts/gpu_engine_bench.sh "$MODEL_LIKE" "$LOGS"
+  else
+    echo "no $MODEL_LIKE/config.json: throughput stage skipped"
+  fi
 fi
 
 want attention_bench && stage "attention micro-benchmark" && \

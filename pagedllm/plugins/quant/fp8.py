@@ -68,6 +68,12 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     return codes.view_as(rows), scale.squeeze(-1)
 
 
+@functools.lru_cache(maxsize=None)
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A float32 1.0 on `device`, made once rather than at every layer's call."""
+    return torch.ones((), dtype=torch.float32, device=device)
+
+
 def scaled_mm(xq: torch.Tensor, wt: torch.Tensor, x_scale: torch.Tensor, row_scale: torch.Tensor,
               dtype: torch.dtype) -> torch.Tensor:
     """fp8 codes xq [M, K] @ wt [K, N] on the FP8 tensor cores, scaled per token (x_scale
@@ -78,7 +84,7 @@ def scaled_mm(xq: torch.Tensor, wt: torch.Tensor, x_scale: torch.Tensor, row_sca
     and both scales are applied after it, in float32; so does a float16 model, whose result
     would otherwise pass through bf16."""
     if dtype != torch.bfloat16:
-        one = torch.ones((), dtype=torch.float32, device=xq.device)
+        one = _unit_scale(xq.device)
         out = torch._scaled_mm(xq, wt, scale_a=one, scale_b=one, out_dtype=torch.float32)
         return out * x_scale * row_scale[None, :]
     return torch._scaled_mm(xq, wt, scale_a=x_scale.contiguous(), scale_b=row_scale[None, :].contiguous(),
