@@ -42,7 +42,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # linked into one library
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 11  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 12  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-fno-math-errno"]  # compiling each source
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 
@@ -87,6 +87,9 @@ _SIGNATURES = {
     "pd_vnni_packed_size": (_i64, [_i32, _i64, _i64]),
     "pd_vnni_pack": (_i32, [_i32, _p, _i64, _i64, _p]),
     "pd_vnni_linear": (_i32, [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
+    "pd_replay_kernel": (_i32, [ctypes.c_char_p, ctypes.c_char_p]),
+    "pd_replay_call_size": (_i64, []),
+    "pd_replay": (_i64, [_p, _i64, _p]),
 }
 
 
@@ -253,6 +256,74 @@ def recording() -> Iterator[list[tuple[str, Any, tuple, Any]]]:
 def pointer_args(kernel: str) -> list[int]:
     """Positions of the pointer arguments of `kernel` (those a replay may re-point)."""
     return [i for i, kind in enumerate(_SIGNATURES[kernel][1]) if kind is ctypes.c_void_p]
+
+
+REPLAY_ARGS = 20  # PD_REPLAY_ARGS in csrc/replay.c
+_KIND = {_p: "p", _i64: "i", _i32: "i", _f32: "f"}
+
+
+class _Word(ctypes.Union):
+    _fields_ = [("i", ctypes.c_int64), ("f", ctypes.c_double)]
+
+
+class ReplayCall(ctypes.Structure):
+    """One call of a recorded step as csrc/replay.c's pd_call lays it out."""
+
+    _fields_ = [("kernel", ctypes.c_int32), ("check", ctypes.c_int32), ("rc", ctypes.c_int64),
+                ("args", _Word * REPLAY_ARGS), ("patch", ctypes.c_int32 * REPLAY_ARGS)]
+
+
+@functools.lru_cache(maxsize=None)
+def _replay_id(name: str) -> int | None:
+    """csrc/replay.c's id for kernel `name`, None where it is not replayed there. Raises
+    if the two sides disagree on its arguments (a signature changed on one side only)."""
+    lib = kernels()
+    kinds = ctypes.create_string_buffer(REPLAY_ARGS + 1)
+    kernel = lib.pd_replay_kernel(name.removeprefix("pd_").encode(), kinds)
+    if kernel < 0:
+        return None
+    ours = "".join(_KIND[a] for a in _SIGNATURES[name][1])
+    if kinds.value.decode() != ours or lib.pd_replay_call_size() != ctypes.sizeof(ReplayCall):
+        raise RuntimeError(f"csrc/replay.c and native.py disagree on {name}: {kinds.value.decode()!r} "
+                           f"against {ours!r}")
+    return kernel
+
+
+class ReplayProgram:
+    """Recorded kernel calls that `run` replays in one call into the library (pd_replay),
+    the GIL released for the whole of it. Each call is (kernel name, arguments as recorded,
+    patches: (argument position, step input index, offset from that input's address),
+    recorded return value). `build` returns None when a call's kernel is not replayed in C."""
+
+    def __init__(self, calls: "ctypes.Array[ReplayCall]") -> None:
+        self.calls = calls
+
+    @classmethod
+    def build(cls, calls: Sequence[tuple[str, tuple, Sequence[tuple[int, int, int]], Any]]) -> "ReplayProgram | None":
+        program = (ReplayCall * len(calls))()
+        for slot, (name, args, patches, rc) in zip(program, calls):
+            kernel = _replay_id(name)
+            if kernel is None:
+                return None
+            slot.kernel, slot.check, slot.rc = kernel, rc is not None, rc or 0
+            for i, (value, kind) in enumerate(zip(args, _SIGNATURES[name][1])):
+                if kind is _f32:
+                    slot.args[i].f = value
+                else:
+                    slot.args[i].i = value or 0  # None: a NULL pointer
+                slot.patch[i] = -1
+            for i, source, offset in patches:
+                slot.args[i].i, slot.patch[i] = offset, source
+        return cls(program)
+
+    def run(self, bases: "ctypes.Array[ctypes.c_int64]", start: int = 0, end: int | None = None) -> int:
+        """Runs calls [start, end) with the step inputs at `bases`; -1, or the index of the
+        first call that returned other than its recording (the ones after it did not run)."""
+        end = len(self.calls) if end is None else end
+        if end <= start:
+            return -1
+        failed = kernels().pd_replay(ctypes.addressof(self.calls[start]), end - start, ctypes.addressof(bases))
+        return -1 if failed < 0 else start + failed
 
 
 def _lib():

@@ -27,6 +27,7 @@ it (`graph_support`, CPU_ATTN's pure-decode steps) are replayed.
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import logging
 import time
@@ -155,8 +156,9 @@ class StepGraph:
         # with torch calls, the inputs are copied into the recorded ones (torch calls read
         # those); kernel-only graphs re-point the kernels' arguments instead
         self.recorded_inputs = dict(inputs) if self.ops else {}
-        ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), name) for name, t in inputs.items()
-                  if t.numel()]
+        names = list(inputs)
+        ranges = [(t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), index)
+                  for index, t in enumerate(inputs.values()) if t.numel()]
         self.calls = []
         for name, fn, args, rc in calls:
             patches = []
@@ -167,24 +169,35 @@ class StepGraph:
                     raise ValueError(f"{name}: argument {i} points into more than one step input")
                 if owners:
                     patches.append((i, owners[0][1], value - owners[0][0]))
-            self.calls.append((fn, args, patches, rc))
+            self.calls.append((name, fn, args, patches, rc))
+        self.input_names = names
+        # the calls as one C program (pd_replay), when every kernel in it is replayed there
+        self.program = native.ReplayProgram.build([(name, args, patches, rc)
+                                                   for name, _, args, patches, rc in self.calls])
+        self.bases = (ctypes.c_int64 * max(1, len(names)))()
         self.output = output
         self.keep = keep
         self.nbytes = nbytes
         self.verified = False
 
-    def _run_calls(self, start: int, end: int, base: dict[str, int]) -> None:
-        for fn, args, patches, rc in self.calls[start:end]:
+    def _run_calls(self, start: int, end: int, base: list[int]) -> None:
+        if self.program is not None:
+            failed = self.program.run(self.bases, start, end)
+            if failed >= 0:
+                raise RuntimeError(f"step replay: kernel {self.calls[failed][0]} returned other than its recording")
+            return
+        for name, fn, args, patches, rc in self.calls[start:end]:
             if patches:
                 args = list(args)
-                for i, name, offset in patches:
-                    args[i] = base[name] + offset
+                for i, source, offset in patches:
+                    args[i] = base[source] + offset
             result = fn(*args)
             if result != rc:
-                raise RuntimeError(f"step replay: a kernel returned {result} where its recording returned {rc}")
+                raise RuntimeError(f"step replay: kernel {name} returned {result} where its recording returned {rc}")
 
     def replay(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        base = {name: t.data_ptr() for name, t in inputs.items()}
+        base = [inputs[name].data_ptr() for name in self.input_names]
+        self.bases[:len(base)] = base
         for name, recorded in self.recorded_inputs.items():
             if recorded is not inputs[name]:
                 recorded.copy_(inputs[name])

@@ -160,7 +160,7 @@ def test_bf16_products_are_replayed(tiny_model_dir, replays, monkeypatch, kernel
         assert any("linear_pointwise" in getattr(func, "__name__", repr(func)) for g in graphs for _, func, *_ in g.ops)
     else:
         names = {"pd_amx_linear", "pd_bf16dot_linear"}
-        assert any(getattr(fn, "__name__", "") in names for g in graphs for fn, *_ in g.calls), \
+        assert any(name in names for g in graphs for name, *_ in g.calls), \
             "no native bf16 GEMM was recorded"
     assert replays["n"] >= 7
     _, eager = generate(model_dir, enforce_eager=True)
@@ -209,7 +209,7 @@ def test_graph_patches_the_step_inputs_only(tiny_model_dir):
     recorded intermediates stay as recorded."""
     llm, _ = generate(tiny_model_dir("llama"))
     graph = next(g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None)
-    patched = {name for _, _, patches, _ in graph.calls for _, name, _ in patches}
+    patched = {graph.input_names[source] for *_, patches, _ in graph.calls for _, source, _ in patches}
     assert {"input_ids", "positions", "metadata.slot_mapping", "metadata.block_tables", "metadata.seq_lens",
             "metadata.query_start", "metadata.row_start"} <= patched, patched
     assert graph.nbytes > 0 and graph.nbytes < 1 << 20, f"{graph.nbytes} bytes kept for a tiny model's step"
@@ -244,5 +244,58 @@ def test_a_slower_replay_with_torch_ops_stays_eager(tiny_model_dir, monkeypatch)
     replayer = llm.engine.worker.graph_runner
     assert replayer.graphs and all(g is None for g in replayer.graphs.values()), "a slower graph was kept"
     assert not replayer.off
+    _, eager = generate(model_dir, enforce_eager=True)
+    assert got == eager
+
+
+def test_every_kernel_replayed_in_c_takes_the_arguments_ctypes_passes():
+    """csrc/replay.c's table and native.py's ctypes signatures agree (`_replay_id` raises
+    where they do not), and every kernel a forward calls is in it."""
+    replayed = {name for name in native._SIGNATURES if native._replay_id(name) is not None}
+    forward = {"pd_rms_norm", "pd_silu_mul", "pd_rope_neox", "pd_gather_rows", "pd_argmax_rows", "pd_write_kv",
+               "pd_write_kv_bf16", "pd_paged_attention", "pd_paged_attention_bf16", "pd_linear_packed",
+               "pd_linear_packed_gemm", "pd_linear_lut4", "pd_sgemm", "pd_moe_f32", "pd_amx_linear",
+               "pd_bf16dot_linear", "pd_vnni_linear", "pd_dequantize"}
+    assert replayed == forward, replayed ^ forward
+
+
+def test_a_c_program_patches_inputs_and_stops_at_a_changed_return():
+    """A program's patched pointer argument follows the step input's new address; a kernel
+    returning other than its recording stops the program there and names its index."""
+    import ctypes
+
+    import torch
+
+    table = torch.arange(12, dtype=torch.float32).view(4, 3)
+    ids, out = torch.tensor([2, 0], dtype=torch.int64), torch.zeros(2, 3)
+    args = (table.data_ptr(), 4, 3, 0, 2, out.data_ptr())  # ids: patched, offset 0 into input 0
+    program = native.ReplayProgram.build([("pd_gather_rows", args, [(3, 0, 0)], 0)] * 2)
+    bases = (ctypes.c_int64 * 1)(ids.data_ptr())
+    assert program.run(bases) == -1
+    assert torch.equal(out, table[[2, 0]])
+    other = torch.tensor([3, 1], dtype=torch.int64)
+    bases[0] = other.data_ptr()
+    assert program.run(bases) == -1
+    assert torch.equal(out, table[[3, 1]]), "the patched argument did not follow the new input"
+    bad = torch.tensor([1, 9], dtype=torch.int64)  # 9 is outside the table: PD_EINVAL, recorded PD_OK
+    bases[0] = bad.data_ptr()
+    assert program.run(bases, start=1) == 1
+    assert program.run(bases, start=0, end=0) == -1
+
+
+def test_recorded_steps_run_as_one_c_program(tiny_model_dir):
+    llm, _ = generate(tiny_model_dir("llama"))
+    graphs = [g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None]
+    assert graphs and all(g.program is not None for g in graphs), "a graph fell back to call-by-call replay"
+
+
+def test_call_by_call_replay_equals_eager_too(tiny_model_dir, replays, monkeypatch):
+    """Graphs with a kernel outside csrc/replay.c's table replay from Python, call by call."""
+    monkeypatch.setattr(native.ReplayProgram, "build", classmethod(lambda cls, calls: None))
+    model_dir = tiny_model_dir("llama")
+    llm, got = generate(model_dir)
+    graphs = [g for g in llm.engine.worker.graph_runner.graphs.values() if g is not None]
+    assert graphs and all(g.program is None and g.verified for g in graphs)
+    assert replays["n"] >= 7
     _, eager = generate(model_dir, enforce_eager=True)
     assert got == eager

@@ -13,6 +13,7 @@
  *                  pd_has_vnni, pd_vnni_packed_size, pd_vnni_pack, pd_vnni_linear
  *   lut4.c         4-bit codebook weights (bitsandbytes NF4 / FP4): pd_linear_lut4
  *   moe.c          a MoE layer's routed float32 experts in one call: pd_moe_f32
+ *   replay.c       a recorded step's kernel calls in one call (step replay): pd_replay
  *
  * Why C and not torch ops: on a CPU, a decode step of a small model is dominated by
  * reading weights (float32 weights are 4x the bytes of 8-bit blocks and ~6x those of
@@ -57,7 +58,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 11
+#define PD_ABI_VERSION 12
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
@@ -68,10 +69,62 @@ enum { PD_OK = 0, PD_EINVAL = -1, PD_ENOMEM = -2, PD_ERANGE = -3 };
 /* ggml type ids (gguf_file.py) of the quantized weights quant.c and sgemm.c read */
 enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8 };
 
-/* kernels one file calls from another (moe.c runs sgemm.c's GEMM and elementwise.c's silu) */
+/* ------------------------------------------------------------------ what the library exports
+ * Declared once here, so that every definition is checked against its declaration and the
+ * files that call each other's kernels (moe.c runs sgemm.c's GEMM and elementwise.c's silu,
+ * replay.c every kernel a forward calls) call them as defined. native.py's _SIGNATURES
+ * mirrors these for ctypes. */
+int pd_abi_version(void);
+int pd_has_avx2(void);
+int pd_repack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes, float *d, float *m);
+int pd_linear_packed(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d,
+                     const float *m, int64_t N, float *y, int64_t ldy);
+int pd_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out);
+void pd_sgemm_pack(const float *w, int64_t N, int64_t K, float *wp);
 int pd_sgemm(const float *x, int64_t ldx, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
              float *y, int64_t ldy);
+int pd_linear_packed_gemm(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d,
+                          const float *m, int64_t N, float *y, int64_t ldy);
+void pd_rms_norm(const float *x, float *residual, const float *weight, float *out, int64_t T, int64_t H, float eps);
 void pd_silu_mul(const float *x, float *out, int64_t T, int64_t I);
+void pd_rope_neox(float *x, int64_t T, int64_t stride, int64_t nheads, int64_t D, const float *cos_t,
+                  const float *sin_t);
+int pd_gather_rows(const float *table, int64_t num_rows, int64_t row_len, const int64_t *ids, int64_t n, float *out);
+void pd_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t ld, int64_t *out);
+void pd_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *key_cache,
+                 float *value_cache, const int64_t *slots, int64_t T, int64_t row);
+void pd_write_kv_bf16(const float *k, int64_t k_stride, const float *v, int64_t v_stride, uint16_t *key_cache,
+                      uint16_t *value_cache, const int64_t *slots, int64_t T, int64_t row);
+int pd_paged_attention(const float *q, int64_t q_stride, const float *key_cache, const float *value_cache,
+                       const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                       const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out, int64_t H,
+                       int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window, float soft_cap);
+int pd_paged_attention_bf16(const float *q, int64_t q_stride, const uint16_t *key_cache, const uint16_t *value_cache,
+                            const int32_t *block_tables, int64_t bt_stride, const int32_t *seq_lens,
+                            const int32_t *query_start, const int32_t *row_start, int64_t num_reqs, float *out,
+                            int64_t H, int64_t KVH, int64_t D, int64_t block_size, float scale, int64_t window,
+                            float soft_cap);
+int pd_has_bf16_kv(void);
+int pd_attention_tiles(int64_t D, int64_t G);
+int pd_has_amx(void);
+int64_t pd_amx_packed_size(int64_t N, int64_t K);
+void pd_amx_pack(const float *w, int64_t N, int64_t K, uint16_t *wp);
+int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                  const float *bias, void *y, int y_bf16, int64_t ldy);
+int pd_has_bf16dot(void);
+int pd_bf16dot_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                      const float *bias, void *y, int y_bf16, int64_t ldy);
+int pd_has_vnni(void);
+int64_t pd_vnni_packed_size(int qtype, int64_t N, int64_t K);
+int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out);
+int pd_vnni_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
+                   float *y, int64_t ldy);
+int pd_linear_lut4(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *lut,
+                   const float *absmax, int64_t block, int64_t N, float *y, int64_t ldy);
+int pd_moe_f32(const float *x, int64_t T, int64_t H, const int64_t *ids, const float *weights, int64_t k, int64_t E,
+               const float *w13p, const float *w2p, int64_t I, int act, float *out);
+int pd_replay_kernel(const char *name, char *kinds);
+int64_t pd_replay_call_size(void);
 /* amx.c's activation rounding, which bf16dot.c shares: rows [0, M) of x (float32, or bf16
  * when x_bf16) -> bf16 [Mp][Kp], zero-padded */
 void pd_bf16_pack_x(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, int64_t Mp, int64_t Kp,
