@@ -101,9 +101,10 @@ class LLMEngine:
         self.scheduler = Scheduler(self.block_manager, config.scheduler.max_num_seqs, budget,
                                    self.max_model_len, config.scheduler.enable_chunked_prefill,
                                    num_lookahead_slots=proposer.num_lookahead_slots if proposer else 0)
-        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.hf_config, text_config, source.path)
-        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.vocab_size = text_config.vocab_size
+        self.eos_token_ids = _eos_token_ids(self.tokenizer, self.hf_config, text_config, source.path,
+                                            self.vocab_size)
+        self.eos_token_id = self.eos_token_ids[0] if self.eos_token_ids else None
         self.logits_factories = self._logits_factories(registry, config)
         self._pending: list[Request] = []  # requests whose processors are not ready yet
         self.parents: dict[str, _Parent] = {}
@@ -394,9 +395,13 @@ def engine_limits(config: EngineConfig, source: Any, registry: Any) -> tuple[int
             resolve_spec_config(config.spec.speculative_config, registry))
 
 
-def _eos_token_ids(tokenizer: Any, hf_config: Any, text_config: Any, path: str) -> tuple[int, ...]:
+def _eos_token_ids(tokenizer: Any, hf_config: Any, text_config: Any, path: str,
+                   vocab_size: int | None = None) -> tuple[int, ...]:
     """Every id that ends a sequence, first the tokenizer's: the configs' `eos_token_id`
-    (an int or a list, as Llama 3's <|eot_id|> and <|eom_id|>) and generation_config.json's."""
+    (an int or a list, as Llama 3's <|eot_id|> and <|eom_id|>) and generation_config.json's.
+    An id outside the model's vocabulary (a config left from another model) is dropped with
+    a warning: no logit can sample it, and banning it (min_tokens) would index past the
+    logits (on CUDA, a device-side assert that kills the engine)."""
     found: list[int] = []
 
     def add(value: Any) -> None:
@@ -414,7 +419,11 @@ def _eos_token_ids(tokenizer: Any, hf_config: Any, text_config: Any, path: str) 
                 add(json.load(f).get("eos_token_id"))
         except (OSError, ValueError, AttributeError):
             logger.warning("could not read %s; ignoring its eos_token_id", generation)
-    return tuple(found)
+    outside = [t for t in found if vocab_size is not None and not 0 <= t < vocab_size]
+    if outside:
+        logger.warning("eos_token_id %s outside the model's vocabulary of %d tokens: ignored",
+                       ", ".join(map(str, outside)), vocab_size)
+    return tuple(t for t in found if t not in outside)
 
 
 class _Latest:

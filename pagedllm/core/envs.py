@@ -81,6 +81,9 @@ NO_EFFECT: dict[str, str] = {
     "VLLM_USE_MODELSCOPE": "models are read from local paths",
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "use PAGEDLLM_CPU_OMP_THREADS_BIND to choose the CPUs",
 }
+# read by the test suite (tests/conftest.py), not the engine: known, so a test run on a GPU
+# (PAGEDLLM_TEST_DEVICE=cuda) is not told its own settings are typos
+TEST_SUITE_VARS = frozenset({"PAGEDLLM_TEST_DEVICE", "PAGEDLLM_TEST_REPORT"})
 _PREFIXES = ("PAGEDLLM_", "VLLM_")
 _told = False
 
@@ -90,7 +93,7 @@ def warn_environment(environ: dict[str, str] | None = None) -> list[str]:
     must not pass unnoticed: vLLM's "unknown environment variable") or known to have no
     effect here. Returns the messages."""
     environ = dict(os.environ) if environ is None else environ
-    known = set(ENV_VARS) | {v.alias for v in ENV_VARS.values() if v.alias}
+    known = set(ENV_VARS) | {v.alias for v in ENV_VARS.values() if v.alias} | TEST_SUITE_VARS
     messages = []
     for name in sorted(environ):
         if not name.startswith(_PREFIXES) or name in known:

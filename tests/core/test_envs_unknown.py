@@ -21,3 +21,5 @@ def test_unknown_and_ineffective_variables_are_named(caplog) -> None:
     assert messages[2].startswith("VLLM_MEDIA_LOADING_THREAD_COUNT is set and has no effect here")
     assert [r.message for r in caplog.records] == messages
     assert envs.warn_environment({"VLLM_USE_V1": "1", "PAGEDLLM_API_KEY": "x"}) == []
+    # the test suite's own settings (tests/conftest.py) are not typos
+    assert envs.warn_environment({"PAGEDLLM_TEST_DEVICE": "cuda", "PAGEDLLM_TEST_REPORT": "/tmp/f"}) == []

@@ -284,3 +284,20 @@ def test_every_eos_id_stops(tiny_model_dir, tmp_path):
     held = second.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(
         temperature=0, max_tokens=8, min_tokens=cut + 2), use_tqdm=False)[0].outputs[0]
     assert stopper not in held.token_ids[:cut + 2]
+
+
+def test_an_eos_id_outside_the_vocabulary_is_dropped_with_a_warning(tiny_model_dir, tmp_path, caplog):
+    """A generation config left from another model (an eos id past the vocabulary) must not
+    reach the sampler: banning it under min_tokens would index past the logits (a device-side
+    assert on CUDA)."""
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir("llama"), model_dir)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [vocab + 7, 1]}))
+    with caplog.at_level("WARNING", logger="pagedllm"):
+        llm = LLM(str(model_dir), dtype="float32", device="cpu", enforce_eager=True)
+    assert vocab + 7 not in llm.engine.eos_token_ids and 1 in llm.engine.eos_token_ids
+    assert any(f"eos_token_id {vocab + 7} outside" in r.message for r in caplog.records)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(temperature=0, max_tokens=4, min_tokens=3),
+                       use_tqdm=False)[0].outputs[0]
+    assert len(out.token_ids) >= 3

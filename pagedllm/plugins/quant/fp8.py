@@ -267,13 +267,15 @@ class Fp8LinearMethod(LinearMethod):
             # which "medium" precision allows (--dtype float32 keeps float32 activations);
             # bf16-rounded sums (oneDNN) would lose more, so those take float32 below
             packed = dense.prepack_bf16(codes.to(torch.bfloat16))
-            layer.fp8_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
+            bf16_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
+            layer.fp8_gemm = lambda xq, gemm=bf16_gemm: gemm(xq.float())
             layer.fp8_kind = f"fp8-as-bf16 {acts} ({dense.bf16_kernel()})"
         else:
             wide = codes.float()
             packed = dense.prepack(wide) if dense.available() else None
-            layer.fp8_gemm = (functools.partial(dense.linear, packed=packed, bias=None) if packed is not None
-                              else functools.partial(F.linear, weight=wide))
+            f32_gemm = (functools.partial(dense.linear, packed=packed, bias=None) if packed is not None
+                        else functools.partial(F.linear, weight=wide))
+            layer.fp8_gemm = lambda xq, gemm=f32_gemm: gemm(xq.float())
             layer.fp8_kind = f"fp8-as-f32 {acts}"
         log_kernel_once("fp8", layer.fp8_kind)
 
@@ -309,7 +311,7 @@ class Fp8LinearMethod(LinearMethod):
         if layer.fp8_gemm is None:  # CUDA: FP8 tensor cores (W8A8 only)
             out = scaled_mm(xq, layer.weight.t(), x_scale, layer.fp8_row_scale, x.dtype)
         else:
-            out = layer.fp8_gemm(xq.float()).float()
+            out = layer.fp8_gemm(xq).float()  # each GEMM widens the activations to what it multiplies in
             out = (out if x_scale is None else out * x_scale) * layer.fp8_row_scale
         if bias is not None:
             out = out + bias
