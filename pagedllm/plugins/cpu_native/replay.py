@@ -12,7 +12,9 @@ Recording runs the step eagerly inside `native.recording()`, which logs each ker
 call, under a torch function mode that keeps every tensor the forward makes
 alive (the replay writes into them again) and logs every torch call that computes, in
 order with the kernel calls. A forward made of kernel calls alone replays them with the
-step inputs' addresses patched in. A forward that also computes with torch ops (oneDNN's
+step inputs' addresses patched in, as one call into the library (`native.ReplayProgram`,
+csrc/replay.c) that holds no GIL for the whole step; a graph with a kernel replay.c does not
+know runs call by call from Python instead. A forward that also computes with torch ops (oneDNN's
 bf16 GEMMs, Qwen3's per-head norms) replays those too: the step's inputs are copied into
 the recorded input tensors, each torch op is called again on its recorded arguments and
 its result copied into its recorded output, so the kernels after it read the new values
