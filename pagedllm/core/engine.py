@@ -396,7 +396,7 @@ def engine_limits(config: EngineConfig, source: Any, registry: Any) -> tuple[int
 
 
 def _eos_token_ids(tokenizer: Any, hf_config: Any, text_config: Any, path: str,
-                   vocab_size: int | None = None) -> tuple[int, ...]:
+                   vocab_size: int) -> tuple[int, ...]:
     """Every id that ends a sequence, first the tokenizer's: the configs' `eos_token_id`
     (an int or a list, as Llama 3's <|eot_id|> and <|eom_id|>) and generation_config.json's.
     An id outside the model's vocabulary (a config left from another model) is dropped with
@@ -419,7 +419,7 @@ def _eos_token_ids(tokenizer: Any, hf_config: Any, text_config: Any, path: str,
                 add(json.load(f).get("eos_token_id"))
         except (OSError, ValueError, AttributeError):
             logger.warning("could not read %s; ignoring its eos_token_id", generation)
-    outside = [t for t in found if vocab_size is not None and not 0 <= t < vocab_size]
+    outside = [t for t in found if not 0 <= t < vocab_size]
     if outside:
         logger.warning("eos_token_id %s outside the model's vocabulary of %d tokens: ignored",
                        ", ".join(map(str, outside)), vocab_size)

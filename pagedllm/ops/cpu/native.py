@@ -306,12 +306,12 @@ class ReplayProgram:
             if kernel is None:
                 return None
             slot.kernel, slot.check, slot.rc = kernel, rc is not None, rc or 0
+            slot.patch[:] = [-1] * REPLAY_ARGS  # every slot unpatched, those past the kernel's arguments too
             for i, (value, kind) in enumerate(zip(args, _SIGNATURES[name][1])):
                 if kind is _f32:
                     slot.args[i].f = value
                 else:
                     slot.args[i].i = value or 0  # None: a NULL pointer
-                slot.patch[i] = -1
             for i, source, offset in patches:
                 slot.args[i].i, slot.patch[i] = offset, source
         return cls(program)

@@ -260,23 +260,23 @@ class Fp8LinearMethod(LinearMethod):
             # e4m3 values are exact in every float dtype: widen to the model's, so a float32 model keeps
             # float32 products and a float16 one its activations' mantissa
             wide = codes.to(layer.fp8_dtype if layer.fp8_dtype in (torch.float16, torch.bfloat16) else torch.float32)
-            layer.fp8_gemm = lambda xq, w=wide: F.linear(xq.to(w.dtype), w).float()
+            layer.fp8_gemm = lambda xq, w=wide: F.linear(xq.to(w.dtype), w)
             layer.fp8_kind = f"fp8-as-{str(wide.dtype).replace('torch.', '')} {acts} (cuda)"
         elif dense.bf16_products_allowed() and dense.bf16_available() and dense.bf16_sums_in_float32():
             # FP8 codes are exact in bf16, so only the activations' rounding to bf16 is lost,
             # which "medium" precision allows (--dtype float32 keeps float32 activations);
             # bf16-rounded sums (oneDNN) would lose more, so those take float32 below
             packed = dense.prepack_bf16(codes.to(torch.bfloat16))
-            bf16_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
-            layer.fp8_gemm = lambda xq, gemm=bf16_gemm: gemm(xq.float())
+            cpu_gemm = functools.partial(dense.linear_bf16, packed=packed, bias=None)
             layer.fp8_kind = f"fp8-as-bf16 {acts} ({dense.bf16_kernel()})"
         else:
             wide = codes.float()
             packed = dense.prepack(wide) if dense.available() else None
-            f32_gemm = (functools.partial(dense.linear, packed=packed, bias=None) if packed is not None
+            cpu_gemm = (functools.partial(dense.linear, packed=packed, bias=None) if packed is not None
                         else functools.partial(F.linear, weight=wide))
-            layer.fp8_gemm = lambda xq, gemm=f32_gemm: gemm(xq.float())
             layer.fp8_kind = f"fp8-as-f32 {acts}"
+        if device.type != "cuda":  # the CPU GEMMs take float32 activations
+            layer.fp8_gemm = lambda xq, gemm=cpu_gemm: gemm(xq.float())
         log_kernel_once("fp8", layer.fp8_kind)
 
     def apply(self, layer, x, bias):  # the kind chosen at load is logged once (see process_after_loading)

@@ -7,7 +7,6 @@
 
 /* query rows per prefill tile (see attend_tile_avx512) */
 #define PD_TILE 16
-int pd_attention_tiles(int64_t D, int64_t G);
 
 /* Scratch floats per thread for the tiles: K and V chunks, then per query head the
  * transposed queries and output sums [D][16]. */
