@@ -27,9 +27,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedllm import ops
+from pagedllm.core import precision
 from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, MoEMethod, QuantConfig
 from pagedllm.ops.cpu import crossover, dense as dense_kernels, native
-from pagedllm.plugins.quant import gguf_int4, gguf_vnni
+from pagedllm.plugins.quant import gguf_blocks32, gguf_int4, gguf_vnni
 from pagedllm.plugins.quant.gguf_dequant import dequantize
 from pagedllm.plugins.quant.gguf_file import check_supported, type_name
 
@@ -78,6 +79,33 @@ def group_by_type(shards: Sequence[tuple[int | None, torch.Tensor]]) -> list[tup
 def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.device) -> bool:
     return (device.type == "cpu" and input_size % 32 == 0 and native.available()
             and all(q in native.SUPPORTED_QTYPES for q in qtypes))
+
+
+def _may_round_blocks() -> bool:
+    """Whether weights may be rewritten with a bounded rounding (gguf_blocks32.py): under
+    "medium" float32 matmul precision, where bf16 products are allowed too."""
+    return precision.float32_matmul_precision() == "medium"
+
+
+def _native_groups(groups: Sequence[tuple[int | None, torch.Tensor]], input_size: int,
+                   device: torch.device) -> list[tuple[int, torch.Tensor]] | None:
+    """The (type, blocks) groups the native kernels will read, or None where they read none.
+
+    Types they read are kept; under "medium" float32 matmul precision (`--dtype auto` on
+    quantized weights, where bf16 products are allowed too) K-quants and Q5 types are
+    rewritten as Q4_1 / Q8_0 blocks (gguf_blocks32.py: a bounded rounding), so decode steps
+    of the common Q4_K_M files stream 4-8-bit blocks instead of the dense copy."""
+    qtypes = [q for q, _ in groups]
+    if _native_ok(qtypes, input_size, device):
+        return list(groups)  # type: ignore[arg-type]
+    convertible = all(q is not None and gguf_blocks32.target_type(q) is not None for q in qtypes)
+    if not (convertible and _may_round_blocks()
+            and _native_ok([gguf_blocks32.target_type(q) for q in qtypes], input_size, device)):
+        return None
+    converted = [gguf_blocks32.as_native_blocks(raw, q, input_size) for q, raw in groups]  # type: ignore[arg-type]
+    logger.debug("GGUF %s blocks read by the native kernels as %s", "+".join(type_name(q) for q in qtypes),
+                 "+".join(type_name(q) for q, _ in converted))
+    return converted
 
 
 def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
@@ -231,17 +259,17 @@ class GGUFLinearMethod(LinearMethod):
         device = shards[0][1].device
         del layer.weight
         layer.gguf_shards = []
-        native_ok = _native_ok([q for q, _ in groups], layer.gguf_input_size, device)
-        dense, blocks, row = [], [], 0
-        for i, (qtype, parts) in enumerate(groups):
-            data = parts[0] if len(parts) == 1 else torch.cat(parts)
-            blocks.append((qtype, data))
+        joined = [(qtype, parts[0] if len(parts) == 1 else torch.cat(parts)) for qtype, parts in groups]
+        # what the native kernels read: the blocks themselves, or their 32-value rewrite
+        blocks = _native_groups(joined, layer.gguf_input_size, device)
+        dense, row = [], 0
+        for i, (qtype, data) in enumerate(joined):
             rows = data.shape[0]
-            if self.keep_dense:
+            if self.keep_dense:  # from the file's own blocks, exactly
                 dense.append(data if qtype is None else _dequantize(data, qtype, layer.gguf_input_size))
             suffix = "" if i == 0 else f"_{i}"
-            if native_ok:
-                packed = native.pack(data, qtype, layer.gguf_input_size)
+            if blocks is not None:
+                packed = native.pack(blocks[i][1], blocks[i][0], layer.gguf_input_size)
                 _register_packed(layer, suffix, packed)
                 layer.gguf_packed.append((packed, row, row + rows))
             elif not self.keep_dense:  # keep the blocks; they are dequantized per call
@@ -251,7 +279,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_has_dense = bool(dense)
         if not dense:
             if layer.gguf_packed:  # keep-quantized: many rows decode the blocks into the GEMM
-                types = "+".join(type_name(q).lower() for q, _ in groups)
+                types = "+".join(type_name(q).lower() for q, _ in blocks)
                 k, nbytes = layer.gguf_input_size, _blocks_bytes(blocks)
 
                 def side(gemm: bool) -> crossover.Contender:
@@ -266,7 +294,7 @@ class GGUFLinearMethod(LinearMethod):
         if not layer.gguf_dense.owns_copy:  # else the packed layout replaces the plain copy
             layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
         if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
-            types = "+".join(type_name(q).lower() for q, _ in groups)
+            types = "+".join(type_name(q).lower() for q, _ in blocks)
             shape = f"{row}x{layer.gguf_input_size}"
             k = layer.gguf_input_size
             native_side = crossover.Contender(functools.partial(_native_linear, layer),
@@ -362,8 +390,9 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         raw = layer.qweight_raw
         del layer.qweight_raw
         hidden = layer.gguf_shape[1]
-        if _native_ok([qtype], hidden, raw.device):
-            layer.gguf_packed = native.pack(raw, qtype, hidden)
+        blocks = _native_groups([(qtype, raw)], hidden, raw.device)  # what the native kernels read
+        if blocks is not None:
+            layer.gguf_packed = native.pack(blocks[0][1], blocks[0][0], hidden)
             _register_packed(layer, "", layer.gguf_packed)
         elif not self.keep_dense:
             layer.qweight_raw = nn.Parameter(raw, requires_grad=False)
@@ -372,8 +401,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
                                         requires_grad=False)
             layer.gguf_head = ops.pack_linear(layer.weight)  # for logits; lookups read the plain copy
             if layer.gguf_packed is not None and layer.gguf_params_dtype == torch.float32:
-                types, shape = type_name(qtype).lower(), f"{layer.gguf_shape[0]}x{hidden}"
-                blocks = [(qtype, raw)]
+                types, shape = type_name(blocks[0][0]).lower(), f"{layer.gguf_shape[0]}x{hidden}"
                 native_side = crossover.Contender(functools.partial(native.linear, w=layer.gguf_packed),
                                                   functools.partial(_native_copy, blocks, hidden),
                                                   _blocks_bytes(blocks))

@@ -18,6 +18,7 @@ gguf = pytest.importorskip("gguf")
 from pagedllm import LLM, SamplingParams  # noqa: E402
 from pagedllm.plugins.quant.gguf import GGUFFormat  # noqa: E402
 from pagedllm.plugins.quant.gguf_file import GGUFError  # noqa: E402
+from tests._ggml_blocks import quantize_q4_k, quantize_q6_k  # noqa: E402
 
 T = gguf.GGMLQuantizationType
 NUM_TOKENS = 32
@@ -213,8 +214,15 @@ def _llama_cpp_permute(w: np.ndarray, num_heads: int) -> np.ndarray:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, path: Path, arch: str, linear_type=T.F32, extra_tensors=(), arch_name=None) -> Path:
-    """Convert a tiny Hugging Face model to GGUF the way llama.cpp would (no tokenizer)."""
+_TEST_ENCODERS = {T.Q4_K: lambda x, _: quantize_q4_k(torch.from_numpy(x)).numpy(),
+                  T.Q6_K: lambda x, _: quantize_q6_k(torch.from_numpy(x)).numpy()}
+
+
+def write_gguf(hf_dir: Path, path: Path, arch: str, linear_type=T.F32, extra_tensors=(), arch_name=None,
+               encode=None, quantize_head=False) -> Path:
+    """Convert a tiny Hugging Face model to GGUF the way llama.cpp would (no tokenizer).
+    `encode(x) -> (raw blocks, ggml type)`, if given, writes the linear weights instead of
+    `linear_type`; `quantize_head` treats an untied output head as one of them."""
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -239,9 +247,13 @@ def write_gguf(hf_dir: Path, path: Path, arch: str, linear_type=T.F32, extra_ten
         x = tensor.float().numpy()
         if arch == "llama" and ("q_proj" in name or "k_proj" in name):
             x = _llama_cpp_permute(x, cfg["num_attention_heads" if "q_proj" in name else "num_key_value_heads"])
-        is_linear = name.endswith("proj.weight")
-        if is_linear and linear_type != T.F32:
-            writer.add_tensor(_gguf_name(name), gguf.quants.quantize(x, linear_type), raw_dtype=linear_type)
+        is_linear = name.endswith("proj.weight") or (quantize_head and name == "lm_head.weight")
+        if is_linear and encode is not None:
+            raw, qtype = encode(x)
+            writer.add_tensor(_gguf_name(name), np.asarray(raw), raw_dtype=T(qtype))
+        elif is_linear and linear_type != T.F32:
+            quantize = _TEST_ENCODERS.get(linear_type, gguf.quants.quantize)  # gguf-py cannot write K-quants
+            writer.add_tensor(_gguf_name(name), np.asarray(quantize(x, linear_type)), raw_dtype=linear_type)
         else:
             writer.add_tensor(_gguf_name(name), x)
     for name, data, qtype in extra_tensors:
@@ -319,6 +331,62 @@ def test_tiny_keep_quantized_serves_a_bfloat16_model(tiny_model_dir, tmp_path) -
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, "kept blocks and dense weights pick different tokens"
         (token, lp), = a.outputs[0].logprobs[0].items()
         assert lp.logprob == pytest.approx(b.outputs[0].logprobs[0][token].logprob, abs=0.1)
+
+
+K_ENCODERS = {T.Q4_K: quantize_q4_k, T.Q6_K: quantize_q6_k}
+
+
+def _k_quant_files(tiny_model_dir, tmp_path, linear_type) -> tuple[Path, Path, Path]:
+    """(HF dir, a tiny qwen2 GGUF with `linear_type` linear weights, the same blocks
+    rewritten by gguf_blocks32 as Q4_1 / Q8_0). K-quants need rows of 256-value multiples."""
+    from pagedllm.plugins.quant.gguf_blocks32 import as_native_blocks
+
+    hf_dir = tiny_model_dir("qwen2", hidden_size=256, intermediate_size=256)
+    encoder = K_ENCODERS[linear_type]
+
+    def rewritten(x: np.ndarray):
+        qtype, raw = as_native_blocks(encoder(torch.from_numpy(x)), int(linear_type), x.shape[1])
+        return raw, qtype
+
+    path = write_gguf(hf_dir, tmp_path / f"tiny-{linear_type.name}.gguf", "qwen2", linear_type=linear_type,
+                      quantize_head=True)
+    return hf_dir, path, write_gguf(hf_dir, tmp_path / f"tiny-{linear_type.name}-32.gguf", "qwen2",
+                                    encode=rewritten, quantize_head=True)
+
+
+@pytest.mark.parametrize("linear_type", [T.Q4_K, T.Q6_K])
+def test_tiny_k_quants_run_as_their_32_value_rewrite(tiny_model_dir, tmp_path, monkeypatch, linear_type) -> None:
+    """Where rounding is allowed, K-quant layers are rewritten (gguf_blocks32.py, whose
+    tests bound the rewrite) and read by the native kernels; the engine then computes
+    exactly the model the rewritten blocks describe: a file holding them, run dense in
+    float32 (float32 here, with the rewrite forced on, so nothing else rounds)."""
+    from pagedllm.plugins.quant import gguf_linear
+
+    hf_dir, path, rewritten = _k_quant_files(tiny_model_dir, tmp_path, linear_type)
+    reference = _greedy(_tiny_llm(rewritten, hf_dir), TINY_PROMPTS)
+    monkeypatch.setattr(gguf_linear, "_may_round_blocks", lambda: True)
+    llm = _tiny_llm(path, hf_dir, plugin_options={"gguf_keep_quantized": True})
+    model = llm.engine.worker.model
+    for layer in (model.model.layers[1].mlp.down_proj, model.model.layers[0].self_attn.qkv_proj):
+        assert layer.gguf_packed and not layer.gguf_groups, f"{layer.prefix}: not read by the native kernels"
+    assert model.lm_head.gguf_packed is not None, "the output head is not read by the native kernels"
+    got = _greedy(llm, TINY_PROMPTS)
+    for a, b in zip(got, reference):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for row_a, row_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token_id, lp in row_a.items():
+                assert lp.logprob == pytest.approx(row_b[token_id].logprob, abs=LOGPROB_ATOL)
+
+
+def test_tiny_k_quants_are_rewritten_only_where_rounding_is_allowed(tiny_model_dir, tmp_path) -> None:
+    """`--dtype float32` keeps K-quant layers on their exact dense copy; `--dtype auto` (on
+    quantized weights) gives their few-row calls to a native kernel on the rewrite."""
+    hf_dir, path, _ = _k_quant_files(tiny_model_dir, tmp_path, T.Q4_K)
+    exact = _tiny_llm(path, hf_dir).engine.worker.model.model.layers[0].mlp.gate_up_proj
+    assert not exact.gguf_packed and exact.gguf_small is None and exact.gguf_has_dense
+    auto = LLM(str(path), tokenizer=str(hf_dir), kv_cache_memory=1 << 22).engine.worker.model
+    for layer in (auto.model.layers[0].mlp.gate_up_proj, auto.model.layers[1].mlp.down_proj, auto.lm_head):
+        assert layer.gguf_packed or layer.gguf_small is not None, f"{layer.prefix}: no native kernel under auto"
 
 
 # --------------------------------------------------------------------------- errors
