@@ -48,9 +48,12 @@ def target_type(qtype: int) -> int | None:
     return None
 
 
-def as_native_blocks(raw: torch.Tensor, qtype: int, cols: int) -> tuple[int, torch.Tensor]:
+def as_native_blocks(raw: torch.Tensor, qtype: int, cols: int,
+                     values: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
     """uint8 rows [N, bytes per row] of `qtype` -> (type, rows) of a type the native kernels
-    read, converted as the module docstring says (unchanged when they read `qtype`)."""
+    read, converted as the module docstring says (unchanged when they read `qtype`).
+    `values`: the rows' exact float32 values [N, cols], where the caller has them already
+    (the dense copy), so a re-quantization need not dequantize again."""
     target = target_type(qtype)
     if target is None:
         raise ValueError(f"ggml type {qtype} has no 32-value block form for the native kernels")
@@ -60,7 +63,9 @@ def as_native_blocks(raw: torch.Tensor, qtype: int, cols: int) -> tuple[int, tor
         raise ValueError(f"rows of {cols} values are not whole 32-value blocks")
     if target == Q4_1:
         return Q4_1, q4_k_as_q4_1(raw, cols)
-    return Q8_0, as_q8_0(dequantize(raw, qtype, (raw.shape[0], cols)))
+    if values is None or values.dtype != torch.float32:
+        values = dequantize(raw, qtype, (raw.shape[0], cols))
+    return Q8_0, as_q8_0(values)
 
 
 def _round_up_f16(x: torch.Tensor) -> torch.Tensor:
@@ -77,14 +82,15 @@ def as_q8_0(values: torch.Tensor) -> torch.Tensor:
     = max |x| / 127 rounded up to f16 and codes round(x / d) in [-127, 127]."""
     n, k = values.shape
     blocks = values.reshape(-1, 32)
-    amax = blocks.abs().amax(dim=1, keepdim=True)
+    # max |x| without an |x| copy of the weight (load time is memory-bound)
+    amax = torch.maximum(blocks.amax(dim=1, keepdim=True), blocks.amin(dim=1, keepdim=True).neg_())
     if not torch.isfinite(amax).all():
         raise ValueError("cannot re-quantize a weight holding NaN or infinity to Q8_0")
     d = _round_up_f16(amax / 127)
     if torch.isinf(d).any():
         raise ValueError("a weight block's magnitude is beyond f16's range: no Q8_0 scale for it")
     inv = torch.where(d.float() > 0, 1.0 / d.float(), torch.zeros_like(amax))
-    codes = torch.round(blocks * inv).clamp_(-127, 127).to(torch.int8)
+    codes = torch.mul(blocks, inv).round_().clamp_(-127, 127).to(torch.int8)
     out = torch.cat((d.view(torch.uint8), codes.view(torch.uint8)), dim=1)
     return out.reshape(n, k // 32 * BLOCK_LAYOUTS[Q8_0][1])
 

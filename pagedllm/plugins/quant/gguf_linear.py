@@ -87,14 +87,15 @@ def _may_round_blocks() -> bool:
     return precision.float32_matmul_precision() == "medium"
 
 
-def _native_groups(groups: Sequence[tuple[int | None, torch.Tensor]], input_size: int,
-                   device: torch.device) -> list[tuple[int, torch.Tensor]] | None:
+def _native_groups(groups: Sequence[tuple[int | None, torch.Tensor]], input_size: int, device: torch.device,
+                   values: Sequence[torch.Tensor] | None = None) -> list[tuple[int, torch.Tensor]] | None:
     """The (type, blocks) groups the native kernels will read, or None where they read none.
 
     Types they read are kept; under "medium" float32 matmul precision (`--dtype auto` on
     quantized weights, where bf16 products are allowed too) K-quants and Q5 types are
     rewritten as Q4_1 / Q8_0 blocks (gguf_blocks32.py: a bounded rounding), so decode steps
-    of the common Q4_K_M files stream 4-8-bit blocks instead of the dense copy."""
+    of the common Q4_K_M files stream 4-8-bit blocks instead of the dense copy. `values`:
+    each group's exact float32 dequantization, where the caller made one (the dense copy)."""
     qtypes = [q for q, _ in groups]
     if _native_ok(qtypes, input_size, device):
         return list(groups)  # type: ignore[arg-type]
@@ -102,7 +103,8 @@ def _native_groups(groups: Sequence[tuple[int | None, torch.Tensor]], input_size
     if not (convertible and _may_round_blocks()
             and _native_ok([gguf_blocks32.target_type(q) for q in qtypes], input_size, device)):
         return None
-    converted = [gguf_blocks32.as_native_blocks(raw, q, input_size) for q, raw in groups]  # type: ignore[arg-type]
+    converted = [gguf_blocks32.as_native_blocks(raw, q, input_size, None if values is None else values[i])  # type: ignore[arg-type]
+                 for i, (q, raw) in enumerate(groups)]
     logger.debug("GGUF %s blocks read by the native kernels as %s", "+".join(type_name(q) for q in qtypes),
                  "+".join(type_name(q) for q, _ in converted))
     return converted
@@ -260,13 +262,14 @@ class GGUFLinearMethod(LinearMethod):
         del layer.weight
         layer.gguf_shards = []
         joined = [(qtype, parts[0] if len(parts) == 1 else torch.cat(parts)) for qtype, parts in groups]
+        # the dense copy, from the file's own blocks (exact)
+        dense = [data if qtype is None else _dequantize(data, qtype, layer.gguf_input_size)
+                 for qtype, data in joined] if self.keep_dense else []
         # what the native kernels read: the blocks themselves, or their 32-value rewrite
-        blocks = _native_groups(joined, layer.gguf_input_size, device)
-        dense, row = [], 0
+        blocks = _native_groups(joined, layer.gguf_input_size, device, dense or None)
+        row = 0
         for i, (qtype, data) in enumerate(joined):
             rows = data.shape[0]
-            if self.keep_dense:  # from the file's own blocks, exactly
-                dense.append(data if qtype is None else _dequantize(data, qtype, layer.gguf_input_size))
             suffix = "" if i == 0 else f"_{i}"
             if blocks is not None:
                 packed = native.pack(blocks[i][1], blocks[i][0], layer.gguf_input_size)
@@ -390,15 +393,16 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         raw = layer.qweight_raw
         del layer.qweight_raw
         hidden = layer.gguf_shape[1]
-        blocks = _native_groups([(qtype, raw)], hidden, raw.device)  # what the native kernels read
+        exact = _dequantize(raw, qtype, hidden) if self.keep_dense else None
+        blocks = _native_groups([(qtype, raw)], hidden, raw.device,  # what the native kernels read
+                                None if exact is None else [exact])
         if blocks is not None:
             layer.gguf_packed = native.pack(blocks[0][1], blocks[0][0], hidden)
             _register_packed(layer, "", layer.gguf_packed)
         elif not self.keep_dense:
             layer.qweight_raw = nn.Parameter(raw, requires_grad=False)
         if self.keep_dense:
-            layer.weight = nn.Parameter(_dequantize(raw, qtype, hidden).to(layer.gguf_params_dtype),
-                                        requires_grad=False)
+            layer.weight = nn.Parameter(exact.to(layer.gguf_params_dtype), requires_grad=False)
             layer.gguf_head = ops.pack_linear(layer.weight)  # for logits; lookups read the plain copy
             if layer.gguf_packed is not None and layer.gguf_params_dtype == torch.float32:
                 types, shape = type_name(blocks[0][0]).lower(), f"{layer.gguf_shape[0]}x{hidden}"
