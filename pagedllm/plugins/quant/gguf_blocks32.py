@@ -14,10 +14,11 @@ weights, i.e. "medium" precision; `--dtype float32` keeps the exact dense path):
   fields of Q4_1 (relative error 2^-11, or 2^-25 absolute where they fall below f16's
   normal range). The blocks stay 4-bit: 5 bits per weight against the file's 4.5.
 * every other type the kernels do not read (Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K) -> Q8_0:
-  the exact values are re-quantized per 32 values with the scale rounded up to f16, so each
-  value moves by at most half a step, 1/254 of its block's largest magnitude (Q6_K's own step
-  is about 1/32 of its 16-value sub-block's largest: the re-quantization adds about a sixth
-  to its rounding noise). 8.5 bits per weight against Q6_K's 6.56.
+  the exact values are re-quantized per 32 values with the scale (the block's largest
+  magnitude / 127) rounded up to f16, so each value moves by at most half that step. Q6_K's
+  own step is about a quarter of it (1/31 of its 16-value sub-block's largest magnitude), so
+  its RMS rounding noise grows by ~3%, ~12% where the block's two halves differ 2x in range.
+  8.5 bits per weight against Q6_K's 6.56.
 
 The dense copy, where there is one, is still dequantized from the file's own blocks, so
 large batches are unaffected.
@@ -27,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.plugins.quant.gguf_dequant import _k_scales_mins, dequantize
+from pagedllm.plugins.quant.gguf_dequant import k_scales_mins, dequantize
 from pagedllm.plugins.quant.gguf_file import (
     BLOCK_LAYOUTS, F16, F32, BF16, Q4_0, Q4_1, Q4_K, Q8_0, QK_K,
 )
@@ -100,7 +101,7 @@ def q4_k_as_q4_1(raw: torch.Tensor, cols: int) -> torch.Tensor:
     they are, d * sc and -dmin * m rounded to f16."""
     n = raw.shape[0]
     b = raw.reshape(-1, BLOCK_LAYOUTS[Q4_K][1])
-    scales, mins = _k_scales_mins(b)  # float32 [blocks, 8, 1], exact products
+    scales, mins = k_scales_mins(b)  # float32 [blocks, 8, 1], exact products
     d = scales.squeeze(-1).half().view(torch.uint8).reshape(-1, 8, 2)
     m = mins.squeeze(-1).neg().half().view(torch.uint8).reshape(-1, 8, 2)
     qs = b[:, 16:144].reshape(-1, 4, 32)  # chunk i: values 64i + t (low nibble), 64i + 32 + t (high)

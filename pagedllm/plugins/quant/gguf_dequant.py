@@ -75,7 +75,7 @@ def _q5_1(b: torch.Tensor) -> torch.Tensor:
     return torch.addcmul(_f16(b, 2), q.float(), _f16(b, 0))
 
 
-def _k_scales_mins(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def k_scales_mins(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K/Q5_K: d, dmin and 12 bytes of 6-bit fields -> (d * scale, dmin * min) as
     float32 [n, 8, 1], one per 32-value sub-block."""
     s = b[:, 4:16]
@@ -109,14 +109,14 @@ def _q3_k(b: torch.Tensor) -> torch.Tensor:
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    scales, mins = _k_scales_mins(b)
+    scales, mins = k_scales_mins(b)
     q = _nibbles(b[:, 16:144].reshape(n, 4, 32)).reshape(n, 8, 32).float()
     return q.mul_(scales).sub_(mins).reshape(n, QK_K)
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    scales, mins = _k_scales_mins(b)
+    scales, mins = k_scales_mins(b)
     q = _nibbles(b[:, 48:176].reshape(n, 4, 32)).reshape(n, 8, 32) | (_bits(b[:, 16:48], 8) << 4)
     return q.float().mul_(scales).sub_(mins).reshape(n, QK_K)
 
