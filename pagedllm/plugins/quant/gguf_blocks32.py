@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.plugins.quant.gguf_dequant import k_scales_mins, dequantize
+from pagedllm.plugins.quant.gguf_dequant import dequantize, k_scales_mins
 from pagedllm.plugins.quant.gguf_file import (
-    BLOCK_LAYOUTS, F16, F32, BF16, Q4_0, Q4_1, Q4_K, Q8_0, QK_K,
+    BF16, BLOCK_LAYOUTS, F16, F32, Q4_0, Q4_1, Q4_K, Q8_0, QK_K,
 )
 
 NATIVE_TYPES = (Q4_0, Q4_1, Q8_0)  # read as they are
