@@ -110,7 +110,7 @@ async def _stream_one(client: Any, url: str, payload: dict[str, Any], prompt_len
     return timing
 
 
-def _payload(model: str, request: BenchRequest, text: str | None,
+def request_payload(model: str, request: BenchRequest, text: str | None,
              extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "model": model,
@@ -146,7 +146,7 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
                                                      max_keepalive_connections=limit + 1)) as client:
         if test_request:
             probe = BenchRequest(requests[0].prompt_token_ids, min(2, requests[0].output_len))
-            result = await _stream_one(client, url, _payload(model, probe, texts[0], extra_body), probe.prompt_len)
+            result = await _stream_one(client, url, request_payload(model, probe, texts[0], extra_body), probe.prompt_len)
             if not result.success:
                 raise RuntimeError(f"the test request to {url} failed: {result.error}")
         rng = random.Random(seed)
@@ -154,7 +154,7 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
 
         async def limited(req: BenchRequest, text: str | None) -> RequestTiming:
             async with semaphore:
-                return await _stream_one(client, url, _payload(model, req, text, extra_body), req.prompt_len)
+                return await _stream_one(client, url, request_payload(model, req, text, extra_body), req.prompt_len)
 
         tasks = []
         start = time.perf_counter()
