@@ -314,6 +314,21 @@ def table(results: list[EngineResult]) -> str:
     return "\n".join("| " + " | ".join(str(c) for c in row) + " |" for row in rows)
 
 
+def prompt_tokenizer(source: str | None) -> Any:
+    """The tokenizer that draws and decodes the prompts: a Hugging Face directory's, or a
+    .gguf file's own (pagedllm against llama.cpp on a GGUF needs no HF directory)."""
+    if source is not None and Path(source).is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(source)
+    if source is not None and Path(source).is_file() and source.endswith(".gguf"):
+        from pagedllm.plugins.quant.gguf import GGUFFormat
+
+        return GGUFFormat(source).tokenizer()
+    raise ValueError("compare needs a tokenizer for the prompts: give --hf-model, or a --model that is a "
+                     "Hugging Face directory or a .gguf file")
+
+
 def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     """Build the prompts, run every engine in turn, print the table and write the JSON."""
     from pagedllm.core.config import default_model
@@ -335,13 +350,7 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
     work_load: Workload | None = None
     texts: list[str] = []
     if any(spec.python is not None for spec in specs):  # else there is nothing to prompt
-        tok_source = hf_model or kwargs.get("model")
-        if tok_source is None or not Path(tok_source).is_dir():
-            raise ValueError("compare needs a Hugging Face directory for the prompts' tokenizer: "
-                             "give --hf-model (or an HF --model)")
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tok_source)
+        tokenizer = prompt_tokenizer(hf_model or kwargs.get("model"))
         work_load = Workload.build(args, vocab_size_of(tokenizer), seed, special_ids(tokenizer))
         texts = [tokenizer.decode(r.prompt_token_ids) for r in [work_load.warmup, *work_load.serve]]
     work = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="pagedllm-compare-"))

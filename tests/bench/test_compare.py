@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, Callable
 
+import pytest
+
 from pagedllm.bench import build_parser, main
 from pagedllm.bench.compare import EngineResult, table
 from pagedllm.bench.peers import NOT_INSTALLED
@@ -105,3 +107,16 @@ def test_workload_never_reuses_a_prompt() -> None:
     assert (len(w.batched_sets), len(w.single_sets), len(w.serve)) == (3, 3, 4)
     everything = [w.warmup] + [r for s in w.batched_sets + w.single_sets for r in s] + w.serve
     assert len({tuple(r.prompt_token_ids) for r in everything}) == len(everything) == 1 + 12 + 6 + 4
+
+
+def test_prompts_come_from_an_hf_directory_or_a_gguf_files_own_tokenizer(tiny_model_dir: Callable[..., Any],
+                                                                          smollm2_path: str, tmp_path: Path) -> None:
+    """pagedllm against llama.cpp on a GGUF needs no Hugging Face directory: the file's own
+    tokenizer draws the prompts; anything else is refused with what to give."""
+    from pagedllm.bench.compare import prompt_tokenizer
+
+    assert len(prompt_tokenizer(smollm2_path)) == 49152
+    assert 256 < len(prompt_tokenizer(str(tiny_model_dir("llama")))) <= 384  # its trained byte-level BPE
+    for bad in (None, str(tmp_path / "missing.gguf")):
+        with pytest.raises(ValueError, match="give --hf-model"):
+            prompt_tokenizer(bad)
