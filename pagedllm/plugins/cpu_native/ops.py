@@ -117,32 +117,43 @@ class PackedDense:
 
     Under "medium" float32 matmul precision on a CPU with native bf16 it also packs a bf16
     copy and measures (crossover.py) from how many rows that is faster; the float32 panels
-    are dropped when bf16 wins from one row, as it does on AMX.
+    are dropped when bf16 wins from one row, as it does on AMX and AVX512-BF16. Where this
+    machine measured the shape before, only the layouts that serve are packed (packing the
+    loser cost a 1.5B model's start-up ~2.5 s).
     """
 
     owns_copy = True
 
     def __init__(self, weight: torch.Tensor) -> None:
         n, k = weight.shape
-        self.packed = dense.prepack(weight)
+        self.packed: native.DenseWeight | torch.Tensor | None = None  # dense.prepack's layout
         self.bf16: native.Bf16Tiles | torch.Tensor | None = None  # dense.prepack_bf16's layout
         self.bf16_from = crossover.NEVER  # rows from which the bf16 copy serves
         self.kind = "f32"
-        if bf16_products_pay():
-            kernel = dense.bf16_kernel()
-            self.bf16 = dense.prepack_bf16(weight)
+        if not bf16_products_pay():
+            self.packed = dense.prepack(weight)
+            return
+        kernel = dense.bf16_kernel()
+        what = f"dense-f32|{kernel}|{n}x{k}"
+        measured = crossover.known(what)
+        if measured is not None:
+            self.packed = dense.prepack(weight) if measured > 1 else None
+            self.bf16 = dense.prepack_bf16(weight) if measured != crossover.NEVER else None
+            self.bf16_from = measured
+        else:
+            self.packed, self.bf16 = dense.prepack(weight), dense.prepack_bf16(weight)
             self.bf16_from = crossover.rows_from(
-                f"dense-f32|{kernel}|{n}x{k}",
+                what,
                 crossover.Contender(_f32_kernel(self.packed), lambda: _f32_kernel(dense.prepack(weight)), 4 * n * k),
                 crossover.Contender(_bf16_kernel(self.bf16), lambda: _bf16_kernel(dense.prepack_bf16(weight)),
                                     2 * n * k), k)
-            if self.bf16_from <= 1:
-                self.packed = None
-                self.kind = kernel
-            elif self.bf16_from == crossover.NEVER:
-                self.bf16 = None
-            else:
-                self.kind = f"f32<{self.bf16_from}<={kernel}"
+        if self.bf16_from <= 1:
+            self.packed = None
+            self.kind = kernel
+        elif self.bf16_from == crossover.NEVER:
+            self.bf16 = None
+        else:
+            self.kind = f"f32<{self.bf16_from}<={kernel}"
 
     @property
     def nbytes(self) -> int:

@@ -94,6 +94,7 @@ def test_medium_precision_without_native_bf16_stays_float32(monkeypatch):
 def test_medium_precision_follows_the_measured_crossover(bf16_from, monkeypatch):
     """bf16 products from the measured row count (faked here), within bf16's rounding;
     the float32 panels serve fewer rows, and are dropped when bf16 wins from one row."""
+    monkeypatch.setattr(cpu_ops.crossover, "known", lambda what: None)
     monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: bf16_from)
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
@@ -112,6 +113,29 @@ def test_medium_precision_follows_the_measured_crossover(bf16_from, monkeypatch)
         # bf16 inputs exactly, float32 sums, one bf16 rounding of the product: relative error <= 2^-8
         torch.testing.assert_close(got.double(), want, rtol=2**-8, atol=1e-2)
         assert not torch.equal(got, exact), f"{rows} rows: medium precision must use bf16 products here"
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("bf16_from", [1, 4, cpu_ops.crossover.NEVER])
+def test_a_crossover_measured_before_packs_only_the_layouts_that_serve(bf16_from, monkeypatch):
+    """A later start-up on the same machine neither measures again nor packs the loser."""
+    def refuse(*_):
+        raise AssertionError("packed a layout that never serves, or measured a known crossover")
+
+    monkeypatch.setattr(cpu_ops.crossover, "known", lambda what: bf16_from)
+    monkeypatch.setattr(cpu_ops.crossover, "rows_from", refuse)
+    if bf16_from == 1:
+        monkeypatch.setattr(cpu_ops.dense, "prepack", refuse)
+    if bf16_from == cpu_ops.crossover.NEVER:
+        monkeypatch.setattr(cpu_ops.dense, "prepack_bf16", refuse)
+    weight = torch.randn(96, 64)
+    with ops.matmul_precision("medium"):
+        packed = cpu_ops.PackedDense(weight)
+    assert packed.bf16_from == bf16_from
+    assert (packed.packed is None) == (bf16_from == 1)
+    assert (packed.bf16 is None) == (bf16_from == cpu_ops.crossover.NEVER)
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(packed(x, None), torch.nn.functional.linear(x, weight), rtol=2**-7, atol=5e-2)
 
 
 @pytest.mark.skipif(not cpu_ops.dense.bf16_available(), reason="oneDNN packed linear unavailable")
