@@ -277,6 +277,15 @@ def _greedy(llm: LLM, prompts: list[list[int]], num_tokens: int = 12):
 TINY_PROMPTS = [[5, 17, 99, 3], [200, 201, 7, 7, 7, 310, 12, 44, 45], [400]]
 
 
+def _assert_same_greedy(got, want) -> None:
+    """The same greedy tokens, and logprobs within LOGPROB_ATOL (one model, two paths)."""
+    for a, b in zip(got, want):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for row_a, row_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            for token_id, lp in row_a.items():
+                assert lp.logprob == pytest.approx(row_b[token_id].logprob, abs=LOGPROB_ATOL)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_tiny_gguf_matches_its_hf_directory(tiny_model_dir, tmp_path, arch) -> None:
     from safetensors.torch import load_file
@@ -311,11 +320,7 @@ def test_tiny_keep_quantized_q8_0_matches_dequantized(tiny_model_dir, tmp_path, 
     assert gate_up.qweight.dtype == torch.uint8 and not hasattr(gate_up, "weight")
     assert gate_up.gguf_gemm_from == 1 or not gemm
     kept = _greedy(keep_llm, TINY_PROMPTS)
-    for a, b in zip(kept, dense):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for row_a, row_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for token_id, lp in row_a.items():
-                assert lp.logprob == pytest.approx(row_b[token_id].logprob, abs=LOGPROB_ATOL)
+    _assert_same_greedy(kept, dense)
 
 
 def test_tiny_keep_quantized_serves_a_bfloat16_model(tiny_model_dir, tmp_path) -> None:
@@ -371,11 +376,7 @@ def test_tiny_k_quants_run_as_their_32_value_rewrite(tiny_model_dir, tmp_path, m
         assert layer.gguf_packed and not layer.gguf_groups, f"{layer.prefix}: not read by the native kernels"
     assert model.lm_head.gguf_packed is not None, "the output head is not read by the native kernels"
     got = _greedy(llm, TINY_PROMPTS)
-    for a, b in zip(got, reference):
-        assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        for row_a, row_b in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            for token_id, lp in row_a.items():
-                assert lp.logprob == pytest.approx(row_b[token_id].logprob, abs=LOGPROB_ATOL)
+    _assert_same_greedy(got, reference)
 
 
 def test_tiny_k_quants_are_rewritten_only_where_rounding_is_allowed(tiny_model_dir, tmp_path) -> None:
