@@ -111,7 +111,7 @@ async def _stream_one(client: Any, url: str, payload: dict[str, Any], prompt_len
 
 
 def request_payload(model: str, request: BenchRequest, text: str | None,
-             extra: dict[str, Any] | None = None) -> dict[str, Any]:
+                    extra: dict[str, Any] | None = None) -> dict[str, Any]:
     return {
         "model": model,
         "prompt": text if text is not None else request.prompt_token_ids,
@@ -146,7 +146,8 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
                                                      max_keepalive_connections=limit + 1)) as client:
         if test_request:
             probe = BenchRequest(requests[0].prompt_token_ids, min(2, requests[0].output_len))
-            result = await _stream_one(client, url, request_payload(model, probe, texts[0], extra_body), probe.prompt_len)
+            result = await _stream_one(client, url, request_payload(model, probe, texts[0], extra_body),
+                                       probe.prompt_len)
             if not result.success:
                 raise RuntimeError(f"the test request to {url} failed: {result.error}")
         rng = random.Random(seed)

@@ -28,23 +28,19 @@ from __future__ import annotations
 
 import torch
 
+from pagedllm.ops.cpu import native
 from pagedllm.plugins.quant.gguf_dequant import dequantize, k_scales_mins
-from pagedllm.plugins.quant.gguf_file import (
-    BF16, BLOCK_LAYOUTS, F16, F32, Q4_0, Q4_1, Q4_K, Q8_0, QK_K,
-)
-
-NATIVE_TYPES = (Q4_0, Q4_1, Q8_0)  # read as they are
-_NOT_BLOCKS = (F32, F16, BF16)
+from pagedllm.plugins.quant.gguf_file import BLOCK_LAYOUTS, FLOAT_TYPES, Q4_1, Q4_K, Q8_0, QK_K
 
 
 def target_type(qtype: int) -> int | None:
     """The 32-value type `as_native_blocks` turns `qtype` into (itself when the kernels read
     it), or None for float tensors and types without a conversion."""
-    if qtype in NATIVE_TYPES:
+    if qtype in native.SUPPORTED_QTYPES:
         return qtype
     if qtype == Q4_K:
         return Q4_1
-    if qtype in BLOCK_LAYOUTS and qtype not in _NOT_BLOCKS:
+    if qtype in BLOCK_LAYOUTS and qtype not in FLOAT_TYPES:
         return Q8_0
     return None
 

@@ -97,17 +97,14 @@ def _native_groups(groups: Sequence[tuple[int | None, torch.Tensor]], input_size
     of the common Q4_K_M files stream 4-8-bit blocks instead of the dense copy. `values`:
     each group's exact float32 dequantization, where the caller made one (the dense copy)."""
     qtypes = [q for q, _ in groups]
-    if _native_ok(qtypes, input_size, device):
-        return list(groups)  # type: ignore[arg-type]
-    convertible = all(q is not None and gguf_blocks32.target_type(q) is not None for q in qtypes)
-    if not (convertible and _may_round_blocks()
-            and _native_ok([gguf_blocks32.target_type(q) for q in qtypes], input_size, device)):
+    targets = [None if q is None else gguf_blocks32.target_type(q) for q in qtypes]
+    if not _native_ok(targets, input_size, device) or (targets != qtypes and not _may_round_blocks()):
         return None
-    converted = [gguf_blocks32.as_native_blocks(raw, q, input_size, None if values is None else values[i])  # type: ignore[arg-type]
-                 for i, (q, raw) in enumerate(groups)]
-    logger.debug("GGUF %s blocks read by the native kernels as %s", "+".join(type_name(q) for q in qtypes),
-                 "+".join(type_name(q) for q, _ in converted))
-    return converted
+    if targets != qtypes:
+        logger.debug("GGUF %s blocks read by the native kernels as %s", "+".join(map(type_name, qtypes)),
+                     "+".join(map(type_name, targets)))
+    return [gguf_blocks32.as_native_blocks(raw, q, input_size, None if values is None else values[i])
+            for i, (q, raw) in enumerate(groups)]  # types the kernels read come back as they are
 
 
 def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:

@@ -12,7 +12,7 @@ gguf = pytest.importorskip("gguf")
 from pagedllm.plugins.quant import gguf_blocks32  # noqa: E402
 from pagedllm.plugins.quant.gguf_dequant import dequantize  # noqa: E402
 from pagedllm.plugins.quant.gguf_file import (  # noqa: E402
-    F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
+    BLOCK_LAYOUTS, F16, F32, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0,
 )
 from tests._ggml_blocks import quantize_q4_k, quantize_q6_k  # noqa: E402
 
@@ -83,8 +83,6 @@ def _gguf_quantize(w: torch.Tensor, qtype: int):
     try:
         return gguf.quants.quantize(w.numpy(), T(qtype))
     except NotImplementedError:
-        from pagedllm.plugins.quant.gguf_file import BLOCK_LAYOUTS
-
         block, size = BLOCK_LAYOUTS[qtype]
         gen = torch.Generator().manual_seed(qtype)
         raw = torch.randint(0, 256, (N * K // block, size), dtype=torch.uint8, generator=gen)
