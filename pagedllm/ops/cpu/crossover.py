@@ -29,7 +29,7 @@ import logging
 import os
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Union
 
@@ -52,6 +52,12 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 # time budget, up to twice as many).
 PASSES = 3
 
+# After the first alternating round, a side this many times faster than the other has won
+# that row count: the further rounds are for close calls. On a 2-core Zen 4, SmolLM2's
+# contests mostly compared kernels 1.4-2.5x apart, and timing every row count in full cost a
+# first start-up ~2.7 s.
+DECISIVE = 1.3
+
 # A ring never holds more copies than this (a tiny test model's weights stay cached then,
 # which costs nothing that matters).
 MAX_COPIES = 256
@@ -67,6 +73,9 @@ class Contender:
     kernel: Kernel
     copy: Callable[[], Kernel] | None = None
     nbytes: int = 0
+    # the copies built for a first contest, reused by the next ones this contender enters (a
+    # layer's winning kernel meets two or three rivals in turn); freed with the contender
+    copies: list[Kernel] = field(default_factory=list, compare=False, repr=False)
 
 
 Side = Union[Contender, Kernel]
@@ -98,7 +107,8 @@ def _ring(side: Side) -> list[Kernel]:
     if not isinstance(side, Contender):
         return [side]
     copies = 1 if side.copy is None or side.nbytes <= 0 else min(MAX_COPIES, -(-ring_bytes() // side.nbytes))
-    return [side.kernel] + [side.copy() for _ in range(copies - 1)]
+    side.copies.extend(side.copy() for _ in range(copies - 1 - len(side.copies)))
+    return [side.kernel] + side.copies
 
 
 def _pass(ring: list[Kernel], x: torch.Tensor) -> float:
@@ -111,8 +121,8 @@ def _pass(ring: list[Kernel], x: torch.Tensor) -> float:
 def _time_both(small_ring: list[Kernel], large_ring: list[Kernel], x: torch.Tensor,
                budget_s: float) -> tuple[float, float]:
     """Seconds per call of each side: the best of alternating passes over the two rings
-    (after a warm-up pass of each), so that both see the same moments of a machine whose
-    speed drifts by +-20% within minutes. Timing one side's passes and then the other's
+    (after a warm-up pass of each; one round when its gap is DECISIVE), so that both see
+    the same moments of a machine whose speed drifts by +-20% within minutes. Timing one side's passes and then the other's
     let a drift decide: SmolLM2's 960 x 576 layer once got the VNNI kernel up to 64 rows
     where the bf16 GEMM was 1.2x faster from 32 (and made a step 1.08x slower)."""
     _pass(small_ring, x), _pass(large_ring, x)
@@ -123,6 +133,8 @@ def _time_both(small_ring: list[Kernel], large_ring: list[Kernel], x: torch.Tens
         best_small, best_large = min(best_small, small), min(best_large, large)
         spent += (small * len(small_ring) + large * len(large_ring))
         rounds += 1
+        if rounds == 1 and max(best_small, best_large) >= DECISIVE * min(best_small, best_large):
+            break
     return best_small, best_large
 
 
@@ -132,7 +144,7 @@ def measure(small: Side, large: Side, k: int, candidates: tuple[int, ...] = CAND
     candidates in a row (or at the last one), NEVER if it never is; both kernels take a
     float32 [rows, k] input. A plain kernel (no Contender) is timed on its one weight."""
     gen = torch.Generator().manual_seed(0)
-    small_ring, large_ring = _ring(small), _ring(large)  # freed once measured
+    small_ring, large_ring = _ring(small), _ring(large)
     won = []
     for rows in candidates:
         x = torch.randn(rows, k, generator=gen)

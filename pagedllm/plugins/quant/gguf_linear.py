@@ -178,6 +178,7 @@ def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch
         # copies clone the packed tensors (torch's int4 packing of every copy took seconds)
         side = crossover.Contender(candidate, functools.partial(copy.deepcopy, candidate), _blocks_bytes(groups))
         if crossover.rows_from(contest, best, side, k, candidates=_FIRST_ROWS) <= 1:
+            best.copies.clear()  # the loser's timing copies; the winner keeps its own for the next contest
             best, name = side, kind
     return best, name
 

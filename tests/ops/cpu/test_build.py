@@ -100,3 +100,17 @@ def test_an_engine_builds_the_library_while_it_opens_the_model(tmp_path, monkeyp
         assert builders == ["pagedllm-prepare-ops"], f"the library was built on {builders}"
     finally:
         native.forget_kernels()
+
+
+def test_compile_units_cover_every_source_once_the_largest_alone():
+    """The build splits csrc/*.c into one unit per compiler process: the largest source
+    (the start-up's critical path) alone, the rest shared out; every source exactly once."""
+    sources = native.SOURCES
+    largest = max(sources, key=lambda src: src.stat().st_size)
+    for workers in (1, 2, 3, 4, len(sources), len(sources) + 5):
+        units = native.compile_units(sources, workers)
+        flat = [src for unit in units for src in unit]
+        assert sorted(flat) == sorted(sources), f"{workers} workers: units {units} miss or repeat a source"
+        assert len(units) == min(workers, len(sources)), f"{workers} workers: {len(units)} units"
+        if 1 < workers:
+            assert units[0] == [largest], f"{workers} workers: the largest source should compile alone first"

@@ -100,6 +100,7 @@ def test_a_timing_streams_through_copies_holding_twice_the_last_level_cache(monk
     """Weights come from memory in a step: each side is timed over a ring of copies whose
     bytes add up to ring_bytes(), the serving kernel among them, every one called."""
     monkeypatch.setattr(crossover, "ring_bytes", lambda: 10_000)
+    monkeypatch.setattr(crossover, "DECISIVE", float("inf"))  # two no-op kernels: never a decisive gap
     small_calls, large_calls = [], []
     crossover.measure(counted_copies(small_calls, 1_000), counted_copies(large_calls, 2_500), k=4,
                       candidates=(1, 2), budget_s=0)
@@ -117,9 +118,30 @@ def test_a_weight_past_the_ring_size_is_timed_alone_and_copies_are_capped(monkey
     assert len(set(tiny)) == crossover.MAX_COPIES
 
 
-def test_the_two_sides_are_timed_in_alternating_passes():
+def test_a_contender_builds_its_copies_once_for_every_contest_it_enters(monkeypatch):
+    """A layer's winning kernel meets its rivals in turn: its ring of copies is built for the
+    first contest and reused (building the copies was ~0.3 s of a first start-up), and
+    clearing `copies` frees them."""
+    monkeypatch.setattr(crossover, "ring_bytes", lambda: 10_000)
+    built = []
+
+    def copy():
+        built.append(1)
+        return lambda x: x
+
+    winner = crossover.Contender(lambda x: x, copy, 1_000)
+    for rival in range(3):
+        crossover.measure(winner, counted_copies([], 2_500), k=4, candidates=(1,), budget_s=0)
+    assert len(built) == 9, f"10 x 1000 bytes need 9 copies, built once for three contests: built {len(built)}"
+    winner.copies.clear()
+    crossover.measure(winner, counted_copies([], 2_500), k=4, candidates=(1,), budget_s=0)
+    assert len(built) == 18, "after clearing, the next contest builds the ring again"
+
+
+def test_the_two_sides_are_timed_in_alternating_passes(monkeypatch):
     """A drift of the machine's speed must meet both sides alike: passes alternate
     small, large, small, ... instead of all of one side's, then the other's."""
+    monkeypatch.setattr(crossover, "DECISIVE", float("inf"))  # no-op kernels' timings are noise
     order = []
 
     def side(name):
@@ -130,6 +152,27 @@ def test_the_two_sides_are_timed_in_alternating_passes():
 
     crossover.measure(side("small"), side("large"), k=4, candidates=(1,), budget_s=0)
     assert order == ["small", "large"] * (1 + crossover.PASSES), order
+
+
+def test_a_decisive_gap_is_timed_once_and_a_close_call_in_full():
+    """After the warm-up and one alternating round, a side DECISIVE times faster has won
+    that row count (the further rounds cost a first start-up seconds); a close call gets
+    all PASSES rounds."""
+    def timed(costs_s):
+        order = []
+
+        def side(name, cost_s):
+            def kernel(x):
+                order.append(name)
+                time.sleep(cost_s)
+                return x
+            return kernel
+
+        crossover.measure(side("small", costs_s[0]), side("large", costs_s[1]), k=4, candidates=(1,), budget_s=0)
+        return order
+
+    assert timed((8e-3, 1e-3)) == ["small", "large"] * 2, "8x apart: a warm-up and one round"
+    assert timed((1.1e-3, 1e-3)) == ["small", "large"] * (1 + crossover.PASSES), "1.1x apart: every round"
 
 
 def test_a_drift_during_the_timing_does_not_decide():

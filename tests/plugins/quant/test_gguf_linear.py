@@ -27,6 +27,6 @@ def test_a_candidate_that_lost_on_this_machine_is_not_built_again(monkeypatch):
         return 1
 
     monkeypatch.setattr(crossover, "rows_from", rows_from)
-    side, name = gguf_linear._small_rows_kernel("q4_1", "8x32", [], 32, "native-side")
+    side, name = gguf_linear._small_rows_kernel("q4_1", "8x32", [], 32, crossover.Contender(lambda x: x))
     assert built == ["new"], f"built {built}: a candidate known to lose was packed again"
     assert name == "new" and asked == ["gguf-q4_1|native|new|8x32"], asked
