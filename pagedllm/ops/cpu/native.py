@@ -51,6 +51,10 @@ PD_OK, PD_EINVAL, PD_ENOMEM, PD_ERANGE = 0, -1, -2, -3
 
 # ggml type ids the quantized linear kernel reads
 SUPPORTED_QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
+# ... and those the VNNI kernel reads as stored (Q6_K: K a multiple of 256)
+VNNI_QTYPES = {**SUPPORTED_QTYPES, 14: "Q6_K"}
+# (values per block, bytes per block) of each
+_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 14: (256, 210)}
 
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -395,13 +399,14 @@ class PackedWeight:
         return self.codes.data_ptr(), self.d.data_ptr(), self.m.data_ptr() if self.m.numel() else None
 
 
-def _check_raw(raw: torch.Tensor, qtype: int, k: int) -> None:
-    if qtype not in SUPPORTED_QTYPES or k % 32:
-        raise ValueError(f"native kernels read {sorted(SUPPORTED_QTYPES.values())} with K a multiple of 32; "
-                         f"got ggml type {qtype}, K={k}")
-    row_bytes = k // 32 * {2: 18, 3: 20, 8: 34}[qtype]
+def _check_raw(raw: torch.Tensor, qtype: int, k: int, types: dict[int, str] = SUPPORTED_QTYPES) -> None:
+    values, nbytes = _BLOCKS.get(qtype, (32, 0))
+    if qtype not in types or k % values:
+        raise ValueError(f"this kernel reads {sorted(types.values())} with K a multiple of their blocks (32 values, "
+                         f"256 for K-quants); got ggml type {qtype}, K={k}")
+    row_bytes = k // values * nbytes
     if raw.dim() != 2 or raw.shape[1] != row_bytes or raw.dtype != torch.uint8:
-        raise ValueError(f"raw: expected [N, {row_bytes}] uint8 bytes for {SUPPORTED_QTYPES[qtype]} rows of K={k}, "
+        raise ValueError(f"raw: expected [N, {row_bytes}] uint8 bytes for {types[qtype]} rows of K={k}, "
                          f"got {raw.dtype} {list(raw.shape)}")
 
 
@@ -666,8 +671,8 @@ def bf16_tiles_linear(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None =
 
 @dataclass(frozen=True)
 class VnniWeight:
-    """A ggml Q4_0 / Q4_1 / Q8_0 [N, K] matrix in csrc/vnni.c's 16-column panels, for
-    `vnni_linear`: the codes and the file's f16 scales, as many bytes as the blocks."""
+    """A ggml Q4_0 / Q4_1 / Q8_0 / Q6_K [N, K] matrix in csrc/vnni.c's 16-column panels, for
+    `vnni_linear`: the codes and the file's scales, about as many bytes as the blocks."""
 
     qtype: int
     n: int
@@ -686,14 +691,21 @@ def vnni_available() -> bool:
 
 
 def pack_vnni(raw: torch.Tensor, qtype: int, k: int) -> VnniWeight:
-    """Raw ggml blocks [N, bytes_per_row] of a [N, k] matrix in vnni.c's panel layout."""
-    _check_raw(raw, qtype, k)
+    """Raw ggml blocks [N, bytes_per_row] of a [N, k] matrix (a `VNNI_QTYPES` type) in
+    vnni.c's panel layout."""
+    _check_raw(raw, qtype, k, VNNI_QTYPES)
     n = raw.shape[0]
     panels = torch.empty(kernels().pd_vnni_packed_size(qtype, n, k), dtype=torch.uint8)
     raw = raw.contiguous()
     if kernels().pd_vnni_pack(qtype, raw.data_ptr(), n, k, panels.data_ptr()) != PD_OK:
         raise ValueError(f"pd_vnni_pack: ggml type {qtype} or K={k} not supported")
     return VnniWeight(qtype, n, k, panels)
+
+
+def vnni_reads(qtype: int, k: int) -> bool:
+    """Whether `pack_vnni` takes rows of `k` values of this ggml type (K-quants: whole
+    256-value super-blocks)."""
+    return qtype in VNNI_QTYPES and k % _BLOCKS[qtype][0] == 0
 
 
 def vnni_linear(x: torch.Tensor, w: VnniWeight, out: torch.Tensor | None = None) -> torch.Tensor:

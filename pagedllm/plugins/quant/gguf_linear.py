@@ -117,21 +117,29 @@ def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
     return not layer.gguf_has_dense or (x.dtype == torch.float32 and rows < layer.gguf_native_below)
 
 
-def _vnni_candidate(groups: Sequence[tuple[int, torch.Tensor]], k: int):
-    if not gguf_vnni.available() or any(q not in native.SUPPORTED_QTYPES for q, _ in groups):
+def _vnni_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence[tuple[int | None, torch.Tensor]],
+                    k: int):
+    """The VNNI kernel on the file's own blocks where it reads their type (Q6_K: 6.6 bits per
+    weight where the 32-value rewrite takes 8.5), else on the rewrite."""
+    if not gguf_vnni.available():
+        return None
+    groups = [own if own[0] is not None and native.vnni_reads(own[0], k) else rewritten
+              for own, rewritten in zip(source, blocks)]
+    if not all(native.vnni_reads(q, k) for q, _ in groups):
         return None
     return gguf_vnni.VnniLinear(groups, k)
 
 
-def _int4_candidate(groups: Sequence[tuple[int, torch.Tensor]], k: int):
-    if len(groups) != 1 or groups[0][0] not in gguf_int4.QTYPES or not gguf_int4.available():
+def _int4_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence[tuple[int | None, torch.Tensor]],
+                    k: int):
+    if len(blocks) != 1 or blocks[0][0] not in gguf_int4.QTYPES or not gguf_int4.available():
         return None
-    return gguf_int4.Int4Weight(groups[0][1], groups[0][0], k)
+    return gguf_int4.Int4Weight(blocks[0][1], blocks[0][0], k)
 
 
 # Tried in order against the kernel chosen so far, each under its kernel's name; each reads
 # the blocks at bf16-level accuracy (its activations are rounded), so only under "medium"
-# matmul precision.
+# matmul precision. Each maker takes (blocks the native kernel reads, the file's own groups, K).
 _SMALL_CANDIDATES = ((gguf_vnni.VnniLinear.kind, _vnni_candidate), (gguf_int4.Int4Weight.kind, _int4_candidate))
 # the small-batch contests ask only whether a candidate wins from the first row
 _FIRST_ROWS = (1, 2)
@@ -157,13 +165,23 @@ def _native_copy(groups: Sequence[tuple[int, torch.Tensor]], k: int) -> crossove
     return kernel
 
 
+def _types_key(source: Sequence[tuple[int | None, torch.Tensor]], blocks: Sequence[tuple[int, torch.Tensor]]) -> str:
+    """The block types of a layer's groups for crossover keys: "q4_1", or "q6_k-as-q8_0" where
+    the native kernel reads a rewrite (a candidate may read the file's own type)."""
+    def name(own: int | None, rewritten: int) -> str:
+        new = type_name(rewritten).lower()
+        return new if own == rewritten else f"{type_name(own).lower()}-as-{new}"
+    return "+".join(name(own, rewritten) for (own, _), (rewritten, _) in zip(source, blocks))
+
+
 def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch.Tensor]], k: int,
-                       native_side: crossover.Contender):
+                       native_side: crossover.Contender, source: Sequence[tuple[int | None, torch.Tensor]]):
     """The kernel for batches below the dense crossover: `native_side` (the float32-exact
     native kernel), unless a candidate beat the kernel chosen so far from one row on
     (measured: on Zen 4 and Zen 5, VNNI; on a Sapphire Rapids, torch's int4 kernel).
-    Returns the kernel as a crossover contender and its name (for crossover keys and the
-    log)."""
+    `groups`: the blocks the native kernel reads; `source`: the file's own, for a candidate
+    that reads their type as stored. Returns the kernel as a crossover contender and its
+    name (for crossover keys and the log)."""
     best, name = native_side, "native"
     if not dense_kernels.bf16_products_allowed():
         return best, name
@@ -172,11 +190,12 @@ def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch
         lost_before = crossover.known(contest, _FIRST_ROWS)
         if lost_before is not None and lost_before > 1:
             continue  # measured on this machine before: not worth packing the weight for it
-        candidate = make(groups, k)
+        candidate = make(groups, source, k)
         if candidate is None:
             continue
         # copies clone the packed tensors (torch's int4 packing of every copy took seconds)
-        side = crossover.Contender(candidate, functools.partial(copy.deepcopy, candidate), _blocks_bytes(groups))
+        side = crossover.Contender(candidate, functools.partial(copy.deepcopy, candidate),
+                                   sum(t.numel() * t.element_size() for t in candidate.tensors()))
         if crossover.rows_from(contest, best, side, k, candidates=_FIRST_ROWS) <= 1:
             best.copies.clear()  # the loser's timing copies; the winner keeps its own for the next contest
             best, name = side, kind
@@ -280,7 +299,7 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_has_dense = bool(dense)
         if not dense:
             if layer.gguf_packed:  # keep-quantized: many rows decode the blocks into the GEMM
-                types = "+".join(type_name(q).lower() for q, _ in blocks)
+                types = _types_key(joined, blocks)
                 k, nbytes = layer.gguf_input_size, _blocks_bytes(blocks)
 
                 def side(gemm: bool) -> crossover.Contender:
@@ -295,12 +314,12 @@ class GGUFLinearMethod(LinearMethod):
         if not layer.gguf_dense.owns_copy:  # else the packed layout replaces the plain copy
             layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
         if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
-            types = "+".join(type_name(q).lower() for q, _ in blocks)
+            types = _types_key(joined, blocks)
             shape = f"{row}x{layer.gguf_input_size}"
             k = layer.gguf_input_size
             native_side = crossover.Contender(functools.partial(_native_linear, layer),
                                               functools.partial(_native_copy, blocks, k), _blocks_bytes(blocks))
-            small, name = _small_rows_kernel(types, shape, blocks, k, native_side)
+            small, name = _small_rows_kernel(types, shape, blocks, k, native_side, joined)
             if name != "native":
                 _keep_small_kernel(layer, small.kernel, name)
             layer.gguf_native_below = _measure_native_below(
@@ -403,11 +422,11 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
             layer.weight = nn.Parameter(exact.to(layer.gguf_params_dtype), requires_grad=False)
             layer.gguf_head = ops.pack_linear(layer.weight)  # for logits; lookups read the plain copy
             if layer.gguf_packed is not None and layer.gguf_params_dtype == torch.float32:
-                types, shape = type_name(blocks[0][0]).lower(), f"{layer.gguf_shape[0]}x{hidden}"
+                types, shape = _types_key([(qtype, raw)], blocks), f"{layer.gguf_shape[0]}x{hidden}"
                 native_side = crossover.Contender(functools.partial(native.linear, w=layer.gguf_packed),
                                                   functools.partial(_native_copy, blocks, hidden),
                                                   _blocks_bytes(blocks))
-                small, name = _small_rows_kernel(types, shape, blocks, hidden, native_side)
+                small, name = _small_rows_kernel(types, shape, blocks, hidden, native_side, [(qtype, raw)])
                 if name != "native":
                     _keep_small_kernel(layer, small.kernel, name)
                 layer.gguf_native_below = _measure_native_below(

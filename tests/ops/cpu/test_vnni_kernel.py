@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.ops.cpu import native
 from pagedllm.plugins.quant import gguf_dequant
-from pagedllm.plugins.quant.gguf_file import Q4_0, Q4_1, Q8_0
+from pagedllm.plugins.quant.gguf_file import Q4_0, Q4_1, Q6_K, Q8_0
 
 from kernel_checks import assert_close_to, require_native
 from tests._ggml_blocks import BLOCK_BYTES, random_blocks
@@ -20,6 +20,7 @@ require_native()
 needs_vnni = pytest.mark.skipif(not native.vnni_available(), reason="this CPU has no AVX512-VNNI")
 
 QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
+ALL_QTYPES = {**QTYPES, "Q6_K": Q6_K}  # Q6_K rows are whole 256-value super-blocks
 
 
 def _expected(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,11 +55,27 @@ def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k):
 
 
 @needs_vnni
-@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 256), (3, 40, 512), (8, 33, 256), (9, 100, 768), (17, 24, 256),
+                                          (2, 1, 256)])
+def test_vnni_linear_reads_q6_k_as_stored(m, n, k):
+    """Q6_K's codes and int8 sub-block scales as the file holds them (6.625 bits per weight
+    with the float32 d, against Q8_0's 8.5): the same error bound as the 32-value types,
+    the weights themselves exact; edges of panels, row blocks and one column."""
+    gen = torch.Generator().manual_seed(m * 100 + n + k)
+    raw = random_blocks(Q6_K, n, k, gen)
+    x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).expand(m, k // 32, 32).reshape(m, k)
+    w = native.pack_vnni(raw, Q6_K, k)
+    assert w.nbytes == (n + 15) // 16 * 16 * k // 256 * 212, "a column's super-block is not 210 bytes + a float32 d"
+    expected, bound = _expected(x, raw, Q6_K)
+    assert_close_to(native.vnni_linear(x, w), expected, bound, f"Q6_K M={m} N={n} K={k}")
+
+
+@needs_vnni
+@pytest.mark.parametrize("name", ALL_QTYPES)
 def test_vnni_linear_is_much_closer_than_bf16_activations(name):
     """The point of 13-bit block integers: on smooth activations the error is well below what
     rounding x to bf16 alone gives."""
-    qtype = QTYPES[name]
+    qtype = ALL_QTYPES[name]
     gen = torch.Generator().manual_seed(5)
     raw = random_blocks(qtype, 64, 256, gen)
     x = torch.randn(4, 256, generator=gen)
@@ -81,17 +98,18 @@ def test_vnni_linear_writes_a_column_slice_and_nothing_else():
 
 
 @needs_vnni
-@pytest.mark.parametrize("name", QTYPES)
+@pytest.mark.parametrize("name", ALL_QTYPES)
 def test_vnni_linear_keeps_nan_inf_and_zero_rows_apart(name):
     """A NaN or infinity in one row's block makes that row NaN and leaves the others as they
     were; an all-zero row gives zeros (its block scales are 0, not 0/0)."""
-    qtype = QTYPES[name]
+    qtype = ALL_QTYPES[name]
+    k = 256 if qtype == Q6_K else 96
     gen = torch.Generator().manual_seed(11)
-    raw = random_blocks(qtype, 20, 96, gen)
-    w = native.pack_vnni(raw, qtype, 96)
-    x = torch.randn(6, 96, generator=gen)
+    raw = random_blocks(qtype, 20, k, gen)
+    w = native.pack_vnni(raw, qtype, k)
+    x = torch.randn(6, k, generator=gen)
     clean = native.vnni_linear(x, w)
-    x[1, 40], x[3, 95] = float("nan"), float("inf")
+    x[1, 40], x[3, k - 1] = float("nan"), float("inf")
     x[4] = 0
     got = native.vnni_linear(x, w)
     assert got[[1, 3]].isnan().all(), f"{name}: a non-finite activation did not poison its row"
@@ -115,8 +133,10 @@ def test_vnni_linear_refuses_bad_operands():
 
 def test_pack_vnni_refuses_what_it_cannot_read():
     raw = random_blocks(Q4_0, 4, 64, torch.Generator().manual_seed(0))
-    with pytest.raises(ValueError, match="multiple of 32"):
+    with pytest.raises(ValueError, match="multiple of their blocks"):
         native.pack_vnni(raw, Q4_0, 48)
+    with pytest.raises(ValueError, match="multiple of their blocks"):
+        native.pack_vnni(random_blocks(Q6_K, 4, 256, torch.Generator().manual_seed(0)), Q6_K, 128)
     with pytest.raises(ValueError, match=r"\[N, 36\] uint8"):
         native.pack_vnni(raw[:, :30], Q4_0, 64)
     with pytest.raises(ValueError, match="uint8"):

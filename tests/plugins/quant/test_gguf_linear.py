@@ -11,10 +11,14 @@ def test_a_candidate_that_lost_on_this_machine_is_not_built_again(monkeypatch):
     that says it loses (torch's int4 packing: ~0.26 s of a ~5 s start-up on Zen 4)."""
     built = []
 
+    class Candidate:
+        def tensors(self):
+            return []
+
     def maker(kind):
-        def make(groups, k):
+        def make(blocks, source, k):
             built.append(kind)
-            return object()
+            return Candidate()
         return make
 
     monkeypatch.setattr(gguf_linear.dense_kernels, "bf16_products_allowed", lambda: True)
@@ -27,6 +31,6 @@ def test_a_candidate_that_lost_on_this_machine_is_not_built_again(monkeypatch):
         return 1
 
     monkeypatch.setattr(crossover, "rows_from", rows_from)
-    side, name = gguf_linear._small_rows_kernel("q4_1", "8x32", [], 32, crossover.Contender(lambda x: x))
+    side, name = gguf_linear._small_rows_kernel("q4_1", "8x32", [], 32, crossover.Contender(lambda x: x), [])
     assert built == ["new"], f"built {built}: a candidate known to lose was packed again"
     assert name == "new" and asked == ["gguf-q4_1|native|new|8x32"], asked
