@@ -11,7 +11,7 @@ import torch
 
 from pagedllm.ops.cpu import native
 from pagedllm.plugins.quant import gguf_dequant
-from pagedllm.plugins.quant.gguf_file import Q4_0, Q4_1, Q6_K, Q8_0
+from pagedllm.plugins.quant.gguf_file import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
 from kernel_checks import assert_close_to, require_native
 from tests._ggml_blocks import BLOCK_BYTES, random_blocks
@@ -20,7 +20,11 @@ require_native()
 needs_vnni = pytest.mark.skipif(not native.vnni_available(), reason="this CPU has no AVX512-VNNI")
 
 QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
-ALL_QTYPES = {**QTYPES, "Q6_K": Q6_K}  # Q6_K rows are whole 256-value super-blocks
+K_QUANTS = {"Q4_K": Q4_K, "Q6_K": Q6_K}  # rows of whole 256-value super-blocks
+ALL_QTYPES = {**QTYPES, **K_QUANTS}
+# a panel column's bytes per super-block: Q4_K's d, dmin, codes and 8 sc and m bytes (the
+# file packs them in 6 bits: 144); Q6_K's 210 with d as float32
+K_QUANT_COLUMN_BYTES = {Q4_K: 148, Q6_K: 212}
 
 
 def _expected(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,19 +59,22 @@ def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k):
 
 
 @needs_vnni
+@pytest.mark.parametrize("name", K_QUANTS)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 256), (3, 40, 512), (8, 33, 256), (9, 100, 768), (17, 24, 256),
                                           (2, 1, 256)])
-def test_vnni_linear_reads_q6_k_as_stored(m, n, k):
-    """Q6_K's codes and int8 sub-block scales as the file holds them (6.625 bits per weight
-    with the float32 d, against Q8_0's 8.5): the same error bound as the 32-value types,
-    the weights themselves exact; edges of panels, row blocks and one column."""
-    gen = torch.Generator().manual_seed(m * 100 + n + k)
-    raw = random_blocks(Q6_K, n, k, gen)
+def test_vnni_linear_reads_k_quants_as_stored(name, m, n, k):
+    """Q4_K's and Q6_K's codes and sub-block scales as the file holds them (4.625 / 6.625 bits
+    per weight, against 5 / 8.5 for their Q4_1 / Q8_0 rewrites): the same error bound as
+    the 32-value types, the weights themselves exact; edges of panels, row blocks and one
+    column."""
+    qtype = K_QUANTS[name]
+    gen = torch.Generator().manual_seed(qtype * 1000 + m * 100 + n + k)
+    raw = random_blocks(qtype, n, k, gen)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).expand(m, k // 32, 32).reshape(m, k)
-    w = native.pack_vnni(raw, Q6_K, k)
-    assert w.nbytes == (n + 15) // 16 * 16 * k // 256 * 212, "a column's super-block is not 210 bytes + a float32 d"
-    expected, bound = _expected(x, raw, Q6_K)
-    assert_close_to(native.vnni_linear(x, w), expected, bound, f"Q6_K M={m} N={n} K={k}")
+    w = native.pack_vnni(raw, qtype, k)
+    assert w.nbytes == (n + 15) // 16 * 16 * k // 256 * K_QUANT_COLUMN_BYTES[qtype], f"{name}: panel size"
+    expected, bound = _expected(x, raw, qtype)
+    assert_close_to(native.vnni_linear(x, w), expected, bound, f"{name} M={m} N={n} K={k}")
 
 
 @needs_vnni
@@ -103,7 +110,7 @@ def test_vnni_linear_keeps_nan_inf_and_zero_rows_apart(name):
     """A NaN or infinity in one row's block makes that row NaN and leaves the others as they
     were; an all-zero row gives zeros (its block scales are 0, not 0/0)."""
     qtype = ALL_QTYPES[name]
-    k = 256 if qtype == Q6_K else 96
+    k = 256 if qtype in K_QUANTS.values() else 96
     gen = torch.Generator().manual_seed(11)
     raw = random_blocks(qtype, 20, k, gen)
     w = native.pack_vnni(raw, qtype, k)

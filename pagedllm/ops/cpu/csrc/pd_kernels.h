@@ -67,8 +67,8 @@
 enum { PD_OK = 0, PD_EINVAL = -1, PD_ENOMEM = -2, PD_ERANGE = -3 };
 
 /* ggml type ids (gguf_file.py) of the quantized weights quant.c and sgemm.c read (and
- * vnni.c, which reads Q6_K too) */
-enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8, PD_Q6_K = 14 };
+ * vnni.c, which reads Q4_K and Q6_K too) */
+enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8, PD_Q4_K = 12, PD_Q6_K = 14 };
 
 /* an IEEE half (little-endian bytes) as float32 (F16C where the build has AVX2) */
 static inline float pd_f16_to_f32(const uint8_t *p) {

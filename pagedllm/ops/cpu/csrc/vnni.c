@@ -27,8 +27,12 @@
  * codes are q + 128 (8 vectors). Then the block's 16 scales d and (Q4_1) offsets m as
  * f16, as in the file. Columns past N are zero.
  *
- * Q6_K (the v projection, half of ffn_down and the output head of Q4_K_M files) is read as
- * stored rather than widened to Q8_0 (8.5 bits per weight): per 256-value super-block of a
+ * K-quants are read as stored rather than rewritten as Q4_1 / Q8_0 (5 / 8.5 bits per
+ * weight). Q4_K (value d * sc * q - dmin * m per 32 values, sc and m 6-bit): per 256-value
+ * super-block of a panel, the 16 columns' d and dmin as f16 (as in the file), then 8 block
+ * records of Q4-paired codes and the columns' sc and m as bytes: 4.625 bits per weight,
+ * exact (d * sc and dmin * m are exact in float32).
+ * Q6_K (the v projection, half of ffn_down and the output head of Q4_K_M files): per 256-value super-block of a
  * panel, the 16 columns' d as float32, then 8 block records of the 6-bit codes q (0..63,
  * value d * sc * (q - 32)): their low 4 bits paired as Q4's, their high 2 bits as two
  * vectors (quads 0-3, then 4-7; quad j's bits at 2 (j % 4)), and the int8 scales sc of the
@@ -59,19 +63,25 @@ static int vn_raw_block_bytes(int qtype) {
     }
 }
 
-#define VN_Q6_SUPER 3392 /* bytes of one panel's Q6_K super-block: 16 d, 8 records */
-#define VN_Q6_RECORD 416 /* low nibbles 256, high bits 128, scales 32 */
+#define VN_Q4K_SUPER 2368 /* bytes of one panel's Q4_K super-block: 16 d, 16 dmin, 8 records */
+#define VN_Q4K_RECORD 288 /* codes 256, sc 16, m 16 */
+#define VN_Q6_SUPER 3392  /* bytes of one panel's Q6_K super-block: 16 d, 8 records */
+#define VN_Q6_RECORD 416  /* low nibbles 256, high bits 128, scales 32 */
 
 /* Whether pd_vnni_linear reads `qtype` with rows of K values. */
 static int vn_takes(int qtype, int64_t K) {
-    if (qtype == PD_Q6_K) return K % 256 == 0;
+    if (qtype == PD_Q4_K || qtype == PD_Q6_K) return K % 256 == 0;
     return vn_raw_block_bytes(qtype) != 0 && K % 32 == 0;
 }
 
 /* Bytes of one 16-column panel over K. */
 static int64_t vn_panel_bytes(int qtype, int64_t K) {
+    if (qtype == PD_Q4_K) return K / 256 * VN_Q4K_SUPER;
     return qtype == PD_Q6_K ? K / 256 * VN_Q6_SUPER : K / 32 * vn_record_bytes(qtype);
 }
+
+/* Whether a block's values carry an offset m times the block's sum of x (Q4_1, Q4_K). */
+static inline int vn_has_min(int qtype) { return qtype == PD_Q4_1 || qtype == PD_Q4_K; }
 
 int pd_has_vnni(void) { return PD_VNNI; }
 
@@ -88,6 +98,49 @@ static inline int vn_q6_code(const uint8_t *b, int j) {
     int low = b[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 0x0F;
     int high = b[128 + 32 * h + l] >> (2 * g) & 3;
     return low | high << 4;
+}
+
+/* The 4-bit code of value j (0..255) of a ggml Q4_K super-block: d, dmin (f16), scales[12],
+ * qs[128] (32-byte chunk i: values 64 i + t in the low nibbles, 64 i + 32 + t in the high). */
+static inline int vn_q4k_code(const uint8_t *b, int j) {
+    return b[16 + 32 * (j / 64) + j % 32] >> (4 * (j % 64 / 32)) & 0x0F;
+}
+
+/* Sub-block j's (0..7) 6-bit scale and min of a Q4_K super-block's scales[12]. */
+static inline void vn_q4k_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0x0F) | (q[j - 4] >> 6) << 4);
+        *m = (uint8_t)((q[j + 4] >> 4) | (q[j] >> 6) << 4);
+    }
+}
+
+static void vn_pack_q4_k(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
+    int64_t nsuper = K / 256, panels = (N + 15) / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < panels; p++) {
+        for (int64_t sb = 0; sb < nsuper; sb++) {
+            uint8_t *r = out + (p * nsuper + sb) * VN_Q4K_SUPER;
+            memset(r, 0, VN_Q4K_SUPER);
+            for (int c = 0; c < 16; c++) {
+                int64_t n = 16 * p + c;
+                if (n >= N) break;
+                const uint8_t *b = raw + (n * nsuper + sb) * 144;
+                memcpy(r + 2 * c, b, 2);           /* d */
+                memcpy(r + 32 + 2 * c, b + 2, 2);  /* dmin */
+                for (int blk = 0; blk < 8; blk++) {
+                    uint8_t *rec = r + 64 + blk * VN_Q4K_RECORD;
+                    for (int l = 0; l < 4; l++)
+                        for (int t = 0; t < 4; t++)
+                            rec[l * 64 + c * 4 + t] = (uint8_t)(vn_q4k_code(b, 32 * blk + 4 * l + t) |
+                                                                vn_q4k_code(b, 32 * blk + 4 * (l + 4) + t) << 4);
+                    vn_q4k_scale_min(b + 4, blk, rec + 256 + c, rec + 272 + c);
+                }
+            }
+        }
+    }
 }
 
 static void vn_pack_q6_k(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
@@ -132,8 +185,8 @@ static inline uint8_t vn_code(int qtype, const uint8_t *raw, int64_t nblocks, in
 /* raw ggml rows [N][K/32 blocks] -> the panel layout above (pd_vnni_packed_size bytes). */
 int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
     if (!vn_takes(qtype, K)) return PD_EINVAL;
-    if (qtype == PD_Q6_K) {
-        vn_pack_q6_k(raw, N, K, out);
+    if (qtype == PD_Q4_K || qtype == PD_Q6_K) {
+        (qtype == PD_Q4_K ? vn_pack_q4_k : vn_pack_q6_k)(raw, N, K, out);
         return PD_OK;
     }
     int bb = vn_raw_block_bytes(qtype);
@@ -203,7 +256,8 @@ static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, co
     __m512 acc[VN_MR];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblocks; blk++) {
-        const uint8_t *r = panel + blk * rec;
+        const uint8_t *super = qtype == PD_Q4_K ? panel + blk / 8 * VN_Q4K_SUPER : panel; /* Q4_K: d, dmin, records */
+        const uint8_t *r = qtype == PD_Q4_K ? super + 64 + blk % 8 * VN_Q4K_RECORD : panel + blk * rec;
         __m512i ih[VN_MR], il[VN_MR];
         for (int i = 0; i < mr; i++) ih[i] = il[i] = _mm512_setzero_si512();
         for (int l = 0; l < (qtype == PD_Q8_0 ? 8 : 4); l++) {
@@ -225,17 +279,24 @@ static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, co
                 }
             }
         }
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb)));
-        __m512 mv = qtype == PD_Q4_1 ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb + 32)))
-                                     : _mm512_setzero_ps();
+        __m512 d, mv = _mm512_setzero_ps();
+        if (qtype == PD_Q4_K) {
+            __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 256))));
+            __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 272))));
+            d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super)), sc);
+            mv = _mm512_sub_ps(mv, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + 32))), m));
+        } else {
+            d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb)));
+            if (qtype == PD_Q4_1) mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb + 32)));
+        }
         for (int i = 0; i < mr; i++) {
             const uint8_t *row = xq + (m0 + i) * rb + 2 * K;
             const float *s = (const float *)row, *xsum = s + nblocks;
             const int32_t *xoff = (const int32_t *)(xsum + nblocks);
             __m512i dotq = _mm512_add_epi32(_mm512_slli_epi32(ih[i], 7), il[i]);
-            if (qtype != PD_Q4_1) dotq = _mm512_sub_epi32(dotq, _mm512_set1_epi32(xoff[blk]));
+            if (!vn_has_min(qtype)) dotq = _mm512_sub_epi32(dotq, _mm512_set1_epi32(xoff[blk]));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dotq), _mm512_mul_ps(d, _mm512_set1_ps(s[blk])), acc[i]);
-            if (qtype == PD_Q4_1) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[blk]), acc[i]);
+            if (vn_has_min(qtype)) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[blk]), acc[i]);
         }
     }
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (m0 + i) * ldy + c0, mask, acc[i]);
@@ -356,6 +417,8 @@ int pd_vnni_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K,
                 VN_ROWS(PD_Q4_0)
             } else if (qtype == PD_Q4_1) {
                 VN_ROWS(PD_Q4_1)
+            } else if (qtype == PD_Q4_K) {
+                VN_ROWS(PD_Q4_K)
             } else if (qtype == PD_Q6_K) {
                 VN_ROWS_Q6
             } else {
