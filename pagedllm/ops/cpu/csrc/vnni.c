@@ -117,57 +117,53 @@ static inline void vn_q4k_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_
     }
 }
 
-static void vn_pack_q4_k(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
-    int64_t nsuper = K / 256, panels = (N + 15) / 16;
-#pragma omp parallel for schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        for (int64_t sb = 0; sb < nsuper; sb++) {
-            uint8_t *r = out + (p * nsuper + sb) * VN_Q4K_SUPER;
-            memset(r, 0, VN_Q4K_SUPER);
-            for (int c = 0; c < 16; c++) {
-                int64_t n = 16 * p + c;
-                if (n >= N) break;
-                const uint8_t *b = raw + (n * nsuper + sb) * 144;
-                memcpy(r + 2 * c, b, 2);           /* d */
-                memcpy(r + 32 + 2 * c, b + 2, 2);  /* dmin */
-                for (int blk = 0; blk < 8; blk++) {
-                    uint8_t *rec = r + 64 + blk * VN_Q4K_RECORD;
-                    for (int l = 0; l < 4; l++)
-                        for (int t = 0; t < 4; t++)
-                            rec[l * 64 + c * 4 + t] = (uint8_t)(vn_q4k_code(b, 32 * blk + 4 * l + t) |
-                                                                vn_q4k_code(b, 32 * blk + 4 * (l + 4) + t) << 4);
-                    vn_q4k_scale_min(b + 4, blk, rec + 256 + c, rec + 272 + c);
-                }
-            }
-        }
+/* Column c of one panel's Q4_K super-block record r from the file's super-block b. */
+static void vn_pack_q4_k_column(const uint8_t *b, uint8_t *r, int c) {
+    memcpy(r + 2 * c, b, 2);           /* d */
+    memcpy(r + 32 + 2 * c, b + 2, 2);  /* dmin */
+    for (int blk = 0; blk < 8; blk++) {
+        uint8_t *rec = r + 64 + blk * VN_Q4K_RECORD;
+        for (int l = 0; l < 4; l++)
+            for (int t = 0; t < 4; t++)
+                rec[l * 64 + c * 4 + t] = (uint8_t)(vn_q4k_code(b, 32 * blk + 4 * l + t) |
+                                                    vn_q4k_code(b, 32 * blk + 4 * (l + 4) + t) << 4);
+        vn_q4k_scale_min(b + 4, blk, rec + 256 + c, rec + 272 + c);
     }
 }
 
-static void vn_pack_q6_k(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
+/* Column c of one panel's Q6_K super-block record r from the file's super-block b. */
+static void vn_pack_q6_k_column(const uint8_t *b, uint8_t *r, int c) {
+    float d = pd_f16_to_f32(b + 208);
+    memcpy(r + 4 * c, &d, 4);
+    for (int blk = 0; blk < 8; blk++) {
+        uint8_t *rec = r + 64 + blk * VN_Q6_RECORD;
+        for (int q = 0; q < 8; q++) {
+            for (int t = 0; t < 4; t++) {
+                int code = vn_q6_code(b, 32 * blk + 4 * q + t);
+                rec[(q % 4) * 64 + c * 4 + t] |= (uint8_t)((code & 0x0F) << (4 * (q / 4)));
+                rec[256 + (q / 4) * 64 + c * 4 + t] |= (uint8_t)((code >> 4) << (2 * (q % 4)));
+            }
+        }
+        rec[384 + c] = b[192 + 2 * blk];      /* the block's first 16 values */
+        rec[400 + c] = b[192 + 2 * blk + 1];  /* its last 16 */
+    }
+}
+
+/* K-quant rows [N][K/256 super-blocks] -> the panel layouts in the header comment. */
+static void vn_pack_k_quant(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
     int64_t nsuper = K / 256, panels = (N + 15) / 16;
+    int64_t super_bytes = qtype == PD_Q4_K ? VN_Q4K_SUPER : VN_Q6_SUPER, raw_bytes = qtype == PD_Q4_K ? 144 : 210;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         for (int64_t sb = 0; sb < nsuper; sb++) {
-            uint8_t *r = out + (p * nsuper + sb) * VN_Q6_SUPER;
-            memset(r, 0, VN_Q6_SUPER);
-            for (int c = 0; c < 16; c++) {
-                int64_t n = 16 * p + c;
-                if (n >= N) break;
-                const uint8_t *b = raw + (n * nsuper + sb) * 210;
-                float d = pd_f16_to_f32(b + 208);
-                memcpy(r + 4 * c, &d, 4);
-                for (int blk = 0; blk < 8; blk++) {
-                    uint8_t *rec = r + 64 + blk * VN_Q6_RECORD;
-                    for (int q = 0; q < 8; q++) {
-                        for (int t = 0; t < 4; t++) {
-                            int code = vn_q6_code(b, 32 * blk + 4 * q + t);
-                            rec[(q % 4) * 64 + c * 4 + t] |= (uint8_t)((code & 0x0F) << (4 * (q / 4)));
-                            rec[256 + (q / 4) * 64 + c * 4 + t] |= (uint8_t)((code >> 4) << (2 * (q % 4)));
-                        }
-                    }
-                    rec[384 + c] = b[192 + 2 * blk];      /* the block's first 16 values */
-                    rec[400 + c] = b[192 + 2 * blk + 1];  /* its last 16 */
-                }
+            uint8_t *r = out + (p * nsuper + sb) * super_bytes;
+            memset(r, 0, (size_t)super_bytes);
+            for (int c = 0; c < 16 && 16 * p + c < N; c++) {
+                const uint8_t *b = raw + ((16 * p + c) * nsuper + sb) * raw_bytes;
+                if (qtype == PD_Q4_K)
+                    vn_pack_q4_k_column(b, r, c);
+                else
+                    vn_pack_q6_k_column(b, r, c);
             }
         }
     }
@@ -186,7 +182,7 @@ static inline uint8_t vn_code(int qtype, const uint8_t *raw, int64_t nblocks, in
 int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
     if (!vn_takes(qtype, K)) return PD_EINVAL;
     if (qtype == PD_Q4_K || qtype == PD_Q6_K) {
-        (qtype == PD_Q4_K ? vn_pack_q4_k : vn_pack_q6_k)(raw, N, K, out);
+        vn_pack_k_quant(qtype, raw, N, K, out);
         return PD_OK;
     }
     int bb = vn_raw_block_bytes(qtype);
