@@ -4,19 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from pagedllm.plugins.quant.gguf_file import Q4_0, Q4_1, Q4_K, Q6_K, Q8_0, QK_K
+from pagedllm.plugins.quant.gguf_file import Q4_0, Q4_1, Q4_K, Q8_0, QK_K
 
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 
 
 def random_blocks(qtype: int, n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     """[n, k/32 * block bytes] random ggml blocks whose fp16 scales (and Q4_1 mins) are finite
-    (K-quants: [n, k/256 * block bytes], random codes and sub-block scales, d (and Q4_K's
-    dmin) small enough that values stay of order 1)."""
-    if qtype == Q6_K:
-        raw = torch.randint(0, 256, (n * k // QK_K, 210), dtype=torch.uint8, generator=gen)
-        raw[:, 208:210] = (torch.randn(raw.shape[0], 1, generator=gen) / 4096).half().view(torch.uint8)
-        return raw.reshape(n, -1)
+    (Q4_K: [n, k/256 * 144], random codes and 6-bit scales, d and dmin small enough that
+    values stay of order 1)."""
     if qtype == Q4_K:
         raw = torch.randint(0, 256, (n * k // QK_K, 144), dtype=torch.uint8, generator=gen)
         raw[:, 0:4] = (torch.randn(raw.shape[0], 2, generator=gen) / 512).half().view(torch.uint8)

@@ -51,10 +51,10 @@ PD_OK, PD_EINVAL, PD_ENOMEM, PD_ERANGE = 0, -1, -2, -3
 
 # ggml type ids the quantized linear kernel reads
 SUPPORTED_QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
-# ... and those the VNNI kernel reads as stored (K-quants: K a multiple of 256)
-VNNI_QTYPES = {**SUPPORTED_QTYPES, 12: "Q4_K", 14: "Q6_K"}
+# ... and those the VNNI kernel reads as stored (Q4_K: K a multiple of 256)
+VNNI_QTYPES = {**SUPPORTED_QTYPES, 12: "Q4_K"}
 # (values per block, bytes per block) of each
-_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 14: (256, 210)}
+_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
 
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -671,7 +671,7 @@ def bf16_tiles_linear(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None =
 
 @dataclass(frozen=True)
 class VnniWeight:
-    """A ggml Q4_0 / Q4_1 / Q8_0 / Q4_K / Q6_K [N, K] matrix in csrc/vnni.c's 16-column panels, for
+    """A ggml Q4_0 / Q4_1 / Q8_0 / Q4_K [N, K] matrix in csrc/vnni.c's 16-column panels, for
     `vnni_linear`: the codes and the file's scales, about as many bytes as the blocks."""
 
     qtype: int

@@ -127,14 +127,14 @@ def _vnni_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence
 
 def _vnni_stored_candidate(blocks: Sequence[tuple[int, torch.Tensor]],
                            source: Sequence[tuple[int | None, torch.Tensor]], k: int):
-    """The VNNI kernel on the file's own K-quant blocks (Q4_K, Q6_K) where the native kernel
-    reads a rewrite; None where nothing was rewritten or VNNI reads none of them as stored.
+    """The VNNI kernel on the file's own Q4_K blocks (4.625 bits per weight) where the native
+    kernel reads their Q4_1 rewrite (5 bits); the other groups of a fused layer (Q4_K_M's v
+    projection is Q6_K) as the native kernel reads them. None where no group is Q4_K.
 
-    Why a contest of its own: reading fewer bytes is not always faster. On a 2-core Zen 4,
-    streamed, one row: a 17920 x 1536 Q4_K layer took 448 us as stored (4.6 bits per
-    weight) against 531 us as its Q4_1 rewrite (5 bits), but a 1536 x 8704 Q6_K layer took
-    523 us as stored (6.6 bits) against 455 us as Q8_0 (8.5 bits): unpacking 6-bit codes and
-    scaling 16-value halves apart outweighs the bytes there."""
+    Why a contest of its own: fewer bytes are not always faster (a Q6_K layout as stored,
+    6.6 bits against Q8_0's 8.5, was compute-bound and slower on a 2-core Zen 4, see
+    csrc/vnni.c); Q4_K as stored streamed a 17920 x 1536 layer at one row in 448 us
+    against 531 for Q4_1 there."""
     if not gguf_vnni.available():
         return None
     groups = [own if own[0] is not None and own[0] != rewritten[0] and native.vnni_reads(own[0], k) else rewritten

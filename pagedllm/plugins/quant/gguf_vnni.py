@@ -1,5 +1,5 @@
-"""Q4_0 / Q4_1 / Q8_0 blocks in csrc/vnni.c's panels, for the few-row calls of decode and
-speculative verify steps on CPUs with AVX512-VNNI.
+"""Q4_0 / Q4_1 / Q8_0 (and Q4_K as stored) blocks in csrc/vnni.c's panels, for the few-row
+calls of decode and speculative verify steps on CPUs with AVX512-VNNI.
 
 The native float32-exact kernel (quant.c) splits every activation into two int16 terms
 and costs nearly as much per extra row as for the first; VNNI's u8 x s8 dot products on

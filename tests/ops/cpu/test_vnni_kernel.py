@@ -20,11 +20,11 @@ require_native()
 needs_vnni = pytest.mark.skipif(not native.vnni_available(), reason="this CPU has no AVX512-VNNI")
 
 QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
-K_QUANTS = {"Q4_K": Q4_K, "Q6_K": Q6_K}  # rows of whole 256-value super-blocks
+K_QUANTS = {"Q4_K": Q4_K}  # rows of whole 256-value super-blocks
 ALL_QTYPES = {**QTYPES, **K_QUANTS}
 # a panel column's bytes per super-block: Q4_K's d, dmin, codes and 8 sc and m bytes (the
-# file packs them in 6 bits: 144); Q6_K's 210 with d as float32
-K_QUANT_COLUMN_BYTES = {Q4_K: 148, Q6_K: 212}
+# file packs them in 6 bits: 144)
+K_QUANT_COLUMN_BYTES = {Q4_K: 148}
 
 
 def _expected(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,10 +63,9 @@ def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k):
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 256), (3, 40, 512), (8, 33, 256), (9, 100, 768), (17, 24, 256),
                                           (2, 1, 256)])
 def test_vnni_linear_reads_k_quants_as_stored(name, m, n, k):
-    """Q4_K's and Q6_K's codes and sub-block scales as the file holds them (4.625 / 6.625 bits
-    per weight, against 5 / 8.5 for their Q4_1 / Q8_0 rewrites): the same error bound as
-    the 32-value types, the weights themselves exact; edges of panels, row blocks and one
-    column."""
+    """Q4_K's codes and sub-block scales as the file holds them (4.625 bits per weight, against
+    5 for its Q4_1 rewrite): the same error bound as the 32-value types, the weights
+    themselves exact; edges of panels, row blocks and one column."""
     qtype = K_QUANTS[name]
     gen = torch.Generator().manual_seed(qtype * 1000 + m * 100 + n + k)
     raw = random_blocks(qtype, n, k, gen)
@@ -143,7 +142,9 @@ def test_pack_vnni_refuses_what_it_cannot_read():
     with pytest.raises(ValueError, match="multiple of their blocks"):
         native.pack_vnni(raw, Q4_0, 48)
     with pytest.raises(ValueError, match="multiple of their blocks"):
-        native.pack_vnni(random_blocks(Q6_K, 4, 256, torch.Generator().manual_seed(0)), Q6_K, 128)
+        native.pack_vnni(random_blocks(Q4_K, 4, 256, torch.Generator().manual_seed(0)), Q4_K, 128)
+    with pytest.raises(ValueError, match="ggml type 14"):
+        native.pack_vnni(torch.zeros(4, 210, dtype=torch.uint8), Q6_K, 256)  # Q6_K: read as its Q8_0 rewrite
     with pytest.raises(ValueError, match=r"\[N, 36\] uint8"):
         native.pack_vnni(raw[:, :30], Q4_0, 64)
     with pytest.raises(ValueError, match="uint8"):

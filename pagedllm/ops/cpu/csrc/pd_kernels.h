@@ -67,34 +67,8 @@
 enum { PD_OK = 0, PD_EINVAL = -1, PD_ENOMEM = -2, PD_ERANGE = -3 };
 
 /* ggml type ids (gguf_file.py) of the quantized weights quant.c and sgemm.c read (and
- * vnni.c, which reads Q4_K and Q6_K too) */
-enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8, PD_Q4_K = 12, PD_Q6_K = 14 };
-
-/* an IEEE half (little-endian bytes) as float32 (F16C where the build has AVX2) */
-static inline float pd_f16_to_f32(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if PD_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
+ * vnni.c, which reads Q4_K too) */
+enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8, PD_Q4_K = 12 };
 
 /* ------------------------------------------------------------------ what the library exports
  * Declared once here, so that every definition is checked against its declaration and the

@@ -3,6 +3,32 @@
  * the test oracle for the block layouts). */
 #include "pd_kernels.h"
 
+
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if PD_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
 /* ------------------------------------------------------------------ quantized linear
  * y[m, n] = sum_k x[m, k] * W[n, k], W from ggml blocks of 32 values per row:
  * Q4_0: {f16 d; u8 qs[16]}        value = d * (q - 8)
@@ -28,13 +54,13 @@ static inline int code_bytes(int qtype) { return qtype == PD_Q8_0 ? 32 : 16; }
 
 /* One block's 32 weights as floats, exactly as gguf_dequant.py computes them. */
 static inline void dequant_block(int qtype, const uint8_t *b, float *w) {
-    float d = pd_f16_to_f32(b);
+    float d = f16_to_f32(b);
     if (qtype == PD_Q8_0) {
         const int8_t *q = (const int8_t *)(b + 2);
         for (int j = 0; j < 32; j++) w[j] = d * (float)q[j];
         return;
     }
-    float m = qtype == PD_Q4_1 ? pd_f16_to_f32(b + 2) : -8.0f * d;
+    float m = qtype == PD_Q4_1 ? f16_to_f32(b + 2) : -8.0f * d;
     const uint8_t *qs = b + (qtype == PD_Q4_1 ? 4 : 2);
     for (int j = 0; j < 16; j++) {
         w[j] = fmaf((float)(qs[j] & 0x0F), d, m);
@@ -62,9 +88,9 @@ int pd_repack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *code
     int64_t nb = N * (K / 32);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = raw + b * bb;
-        d[b] = pd_f16_to_f32(blk);
+        d[b] = f16_to_f32(blk);
         if (qtype == PD_Q4_1) {
-            m[b] = pd_f16_to_f32(blk + 2);
+            m[b] = f16_to_f32(blk + 2);
             memcpy(codes + b * cb, blk + 4, 16);
         } else if (qtype == PD_Q4_0) {
             m[b] = -8.0f * d[b];

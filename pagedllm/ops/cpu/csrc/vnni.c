@@ -27,18 +27,13 @@
  * codes are q + 128 (8 vectors). Then the block's 16 scales d and (Q4_1) offsets m as
  * f16, as in the file. Columns past N are zero.
  *
- * K-quants are read as stored rather than rewritten as Q4_1 / Q8_0 (5 / 8.5 bits per
- * weight). Q4_K (value d * sc * q - dmin * m per 32 values, sc and m 6-bit): per 256-value
- * super-block of a panel, the 16 columns' d and dmin as f16 (as in the file), then 8 block
- * records of Q4-paired codes and the columns' sc and m as bytes: 4.625 bits per weight,
- * exact (d * sc and dmin * m are exact in float32).
- * Q6_K (the v projection, half of ffn_down and the output head of Q4_K_M files): per 256-value super-block of a
- * panel, the 16 columns' d as float32, then 8 block records of the 6-bit codes q (0..63,
- * value d * sc * (q - 32)): their low 4 bits paired as Q4's, their high 2 bits as two
- * vectors (quads 0-3, then 4-7; quad j's bits at 2 (j % 4)), and the int8 scales sc of the
- * block's two 16-value halves (quads 0-3 and 4-7), 16 columns each: 6.625 bits per weight.
- * The halves' int32 sums are scaled apart (d * sc exact in float32), so the weights are
- * exact; the offset 32 is taken off per half in int32. */
+ * Q4_K (value d * sc * q - dmin * m per 32 values, sc and m 6-bit) is read as stored rather
+ * than as its Q4_1 rewrite (5 bits per weight): per 256-value super-block of a panel, the
+ * 16 columns' d and dmin as f16 (as in the file), then 8 block records of Q4-paired codes and
+ * the columns' sc and m as bytes: 4.625 bits per weight, exact (d * sc and dmin * m are exact
+ * in float32). Q6_K as stored was tried the same way (6.625 bits against Q8_0's 8.5): on a
+ * 2-core Zen 4 its unpacking made it compute-bound, slower than Q8_0 streamed (523 against
+ * 455 us for a 1536 x 8704 layer), and it added ~1 s to the build; not kept. */
 #include "pd_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
@@ -65,19 +60,16 @@ static int vn_raw_block_bytes(int qtype) {
 
 #define VN_Q4K_SUPER 2368 /* bytes of one panel's Q4_K super-block: 16 d, 16 dmin, 8 records */
 #define VN_Q4K_RECORD 288 /* codes 256, sc 16, m 16 */
-#define VN_Q6_SUPER 3392  /* bytes of one panel's Q6_K super-block: 16 d, 8 records */
-#define VN_Q6_RECORD 416  /* low nibbles 256, high bits 128, scales 32 */
 
 /* Whether pd_vnni_linear reads `qtype` with rows of K values. */
 static int vn_takes(int qtype, int64_t K) {
-    if (qtype == PD_Q4_K || qtype == PD_Q6_K) return K % 256 == 0;
+    if (qtype == PD_Q4_K) return K % 256 == 0;
     return vn_raw_block_bytes(qtype) != 0 && K % 32 == 0;
 }
 
 /* Bytes of one 16-column panel over K. */
 static int64_t vn_panel_bytes(int qtype, int64_t K) {
-    if (qtype == PD_Q4_K) return K / 256 * VN_Q4K_SUPER;
-    return qtype == PD_Q6_K ? K / 256 * VN_Q6_SUPER : K / 32 * vn_record_bytes(qtype);
+    return qtype == PD_Q4_K ? K / 256 * VN_Q4K_SUPER : K / 32 * vn_record_bytes(qtype);
 }
 
 /* Whether a block's values carry an offset m times the block's sum of x (Q4_1, Q4_K). */
@@ -89,15 +81,6 @@ int pd_has_vnni(void) { return PD_VNNI; }
 int64_t pd_vnni_packed_size(int qtype, int64_t N, int64_t K) {
     if (!vn_takes(qtype, K) || N < 0) return 0;
     return (N + 15) / 16 * vn_panel_bytes(qtype, K);
-}
-
-/* The 6-bit code (0..63) of value j (0..255) of a ggml Q6_K super-block: ql[128] (low 4
- * bits), qh[64] (high 2 bits), scales[16], d (f16). */
-static inline int vn_q6_code(const uint8_t *b, int j) {
-    int h = j / 128, g = j % 128 / 32, l = j % 32;
-    int low = b[64 * h + 32 * (g & 1) + l] >> (4 * (g >> 1)) & 0x0F;
-    int high = b[128 + 32 * h + l] >> (2 * g) & 3;
-    return low | high << 4;
 }
 
 /* The 4-bit code of value j (0..255) of a ggml Q4_K super-block: d, dmin (f16), scales[12],
@@ -117,53 +100,26 @@ static inline void vn_q4k_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_
     }
 }
 
-/* Column c of one panel's Q4_K super-block record r from the file's super-block b. */
-static void vn_pack_q4_k_column(const uint8_t *b, uint8_t *r, int c) {
-    memcpy(r + 2 * c, b, 2);           /* d */
-    memcpy(r + 32 + 2 * c, b + 2, 2);  /* dmin */
-    for (int blk = 0; blk < 8; blk++) {
-        uint8_t *rec = r + 64 + blk * VN_Q4K_RECORD;
-        for (int l = 0; l < 4; l++)
-            for (int t = 0; t < 4; t++)
-                rec[l * 64 + c * 4 + t] = (uint8_t)(vn_q4k_code(b, 32 * blk + 4 * l + t) |
-                                                    vn_q4k_code(b, 32 * blk + 4 * (l + 4) + t) << 4);
-        vn_q4k_scale_min(b + 4, blk, rec + 256 + c, rec + 272 + c);
-    }
-}
-
-/* Column c of one panel's Q6_K super-block record r from the file's super-block b. */
-static void vn_pack_q6_k_column(const uint8_t *b, uint8_t *r, int c) {
-    float d = pd_f16_to_f32(b + 208);
-    memcpy(r + 4 * c, &d, 4);
-    for (int blk = 0; blk < 8; blk++) {
-        uint8_t *rec = r + 64 + blk * VN_Q6_RECORD;
-        for (int q = 0; q < 8; q++) {
-            for (int t = 0; t < 4; t++) {
-                int code = vn_q6_code(b, 32 * blk + 4 * q + t);
-                rec[(q % 4) * 64 + c * 4 + t] |= (uint8_t)((code & 0x0F) << (4 * (q / 4)));
-                rec[256 + (q / 4) * 64 + c * 4 + t] |= (uint8_t)((code >> 4) << (2 * (q % 4)));
-            }
-        }
-        rec[384 + c] = b[192 + 2 * blk];      /* the block's first 16 values */
-        rec[400 + c] = b[192 + 2 * blk + 1];  /* its last 16 */
-    }
-}
-
-/* K-quant rows [N][K/256 super-blocks] -> the panel layouts in the header comment. */
-static void vn_pack_k_quant(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
+/* Q4_K rows [N][K/256 super-blocks] -> the panel layout in the header comment. */
+static void vn_pack_q4_k(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
     int64_t nsuper = K / 256, panels = (N + 15) / 16;
-    int64_t super_bytes = qtype == PD_Q4_K ? VN_Q4K_SUPER : VN_Q6_SUPER, raw_bytes = qtype == PD_Q4_K ? 144 : 210;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
         for (int64_t sb = 0; sb < nsuper; sb++) {
-            uint8_t *r = out + (p * nsuper + sb) * super_bytes;
-            memset(r, 0, (size_t)super_bytes);
+            uint8_t *r = out + (p * nsuper + sb) * VN_Q4K_SUPER;
+            memset(r, 0, VN_Q4K_SUPER);
             for (int c = 0; c < 16 && 16 * p + c < N; c++) {
-                const uint8_t *b = raw + ((16 * p + c) * nsuper + sb) * raw_bytes;
-                if (qtype == PD_Q4_K)
-                    vn_pack_q4_k_column(b, r, c);
-                else
-                    vn_pack_q6_k_column(b, r, c);
+                const uint8_t *b = raw + ((16 * p + c) * nsuper + sb) * 144;
+                memcpy(r + 2 * c, b, 2);           /* d */
+                memcpy(r + 32 + 2 * c, b + 2, 2);  /* dmin */
+                for (int blk = 0; blk < 8; blk++) {
+                    uint8_t *rec = r + 64 + blk * VN_Q4K_RECORD;
+                    for (int l = 0; l < 4; l++)
+                        for (int t = 0; t < 4; t++)
+                            rec[l * 64 + c * 4 + t] = (uint8_t)(vn_q4k_code(b, 32 * blk + 4 * l + t) |
+                                                                vn_q4k_code(b, 32 * blk + 4 * (l + 4) + t) << 4);
+                    vn_q4k_scale_min(b + 4, blk, rec + 256 + c, rec + 272 + c);
+                }
             }
         }
     }
@@ -181,8 +137,8 @@ static inline uint8_t vn_code(int qtype, const uint8_t *raw, int64_t nblocks, in
 /* raw ggml rows [N][K/32 blocks] -> the panel layout above (pd_vnni_packed_size bytes). */
 int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
     if (!vn_takes(qtype, K)) return PD_EINVAL;
-    if (qtype == PD_Q4_K || qtype == PD_Q6_K) {
-        vn_pack_k_quant(qtype, raw, N, K, out);
+    if (qtype == PD_Q4_K) {
+        vn_pack_q4_k(raw, N, K, out);
         return PD_OK;
     }
     int bb = vn_raw_block_bytes(qtype);
@@ -217,7 +173,7 @@ int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *o
 /* One row's blocks as int8 xh, xl [K] each, a float scale s per block, the block's float32
  * sum (Q4_1's offset term) and offset * sum(X) (Q4_0 / Q8_0's, taken off the int32 dot). */
 static void vn_quantize_row(const float *x, int64_t K, int offset, int8_t *xh, int8_t *xl, float *s, float *xsum,
-                            int32_t *xoff, int32_t *xoff_lo) {
+                            int32_t *xoff) {
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const __m512i low7 = _mm512_set1_epi32(127);
     for (int64_t blk = 0; blk < K / 32; blk++) {
@@ -229,8 +185,7 @@ static void vn_quantize_row(const float *x, int64_t K, int offset, int8_t *xh, i
         s[blk] = bad ? NAN : mx / 8191.0f;
         __m512 vinv = _mm512_set1_ps(bad ? 0.0f : inv);
         __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vinv));
-        xoff_lo[blk] = offset * _mm512_reduce_add_epi32(qa);
-        xoff[blk] = xoff_lo[blk] + offset * _mm512_reduce_add_epi32(qb);
+        xoff[blk] = offset * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
         _mm_storeu_si128((__m128i *)(xh + 32 * blk), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qa, 7)));
         _mm_storeu_si128((__m128i *)(xh + 32 * blk + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qb, 7)));
         _mm_storeu_si128((__m128i *)(xl + 32 * blk), _mm512_cvtepi32_epi8(_mm512_and_si512(qa, low7)));
@@ -238,9 +193,8 @@ static void vn_quantize_row(const float *x, int64_t K, int offset, int8_t *xh, i
     }
 }
 
-/* Scratch per activation row: xh, xl (K each), then per block s, xsum, xoff and xoff_lo
- * (the offset term of the block's first 16 values: Q6_K scales its halves apart). */
-static inline int64_t vn_row_bytes(int64_t K) { return 2 * K + 16 * (K / 32); }
+/* Scratch per activation row: xh, xl (K each), then per block s, xsum, xoff. */
+static inline int64_t vn_row_bytes(int64_t K) { return 2 * K + 12 * (K / 32); }
 
 /* y[m0 .. m0 + mr, columns 16 p ..] for one panel; mr is a constant at every call site,
  * so the 3 mr accumulators stay in registers. */
@@ -298,78 +252,6 @@ static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, co
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (m0 + i) * ldy + c0, mask, acc[i]);
 }
 
-/* The high 2 bits of quad l (0..3) of a high-bit vector, at bits 4-5 of each byte: 16-bit
- * shifts, where the mask drops what crossed from the neighbouring byte. */
-static inline __m512i vn_q6_high(__m512i h, int l) {
-    const __m512i m = _mm512_set1_epi8(0x30);
-    switch (l) {
-    case 0: return _mm512_and_si512(_mm512_slli_epi16(h, 4), m);
-    case 1: return _mm512_and_si512(_mm512_slli_epi16(h, 2), m);
-    case 2: return _mm512_and_si512(h, m);
-    default: return _mm512_and_si512(_mm512_srli_epi16(h, 2), m);
-    }
-}
-
-/* One half (quads 0-3: hi = 0, or 4-7: hi = 1) of a Q6_K block record, its sums scaled by
- * `scale` (d * sc per column) into acc. */
-static inline __attribute__((always_inline)) void vn_q6_half(int mr, int hi, const uint8_t *r, __m512 scale,
-                                                             const uint8_t *xq, int64_t K, int64_t nblocks,
-                                                             int64_t blk, int64_t m0, __m512 *acc) {
-    const int64_t rb = vn_row_bytes(K);
-    const __m512i nib = _mm512_set1_epi8(0x0F);
-    const __m512i h = _mm512_loadu_si512((const void *)(r + 256 + 64 * hi));
-    __m512i ih[VN_MR], il[VN_MR];
-    for (int i = 0; i < mr; i++) ih[i] = il[i] = _mm512_setzero_si512();
-    for (int l = 0; l < 4; l++) {
-        __m512i v = _mm512_loadu_si512((const void *)(r + 64 * l));
-        __m512i w = _mm512_or_si512(_mm512_and_si512(hi ? _mm512_srli_epi16(v, 4) : v, nib), vn_q6_high(h, l));
-        int64_t k0 = 32 * blk + 16 * hi + 4 * l;
-        for (int i = 0; i < mr; i++) {
-            const int8_t *xh = (const int8_t *)(xq + (m0 + i) * rb), *xl = xh + K;
-            ih[i] = _mm512_dpbusd_epi32(ih[i], w, _mm512_set1_epi32(*(const int32_t *)(xh + k0)));
-            il[i] = _mm512_dpbusd_epi32(il[i], w, _mm512_set1_epi32(*(const int32_t *)(xl + k0)));
-        }
-    }
-    for (int i = 0; i < mr; i++) {
-        const float *s = (const float *)(xq + (m0 + i) * rb + 2 * K);
-        const int32_t *xoff = (const int32_t *)(s + 2 * nblocks), *xoff_lo = xoff + nblocks;
-        int32_t off = hi ? xoff[blk] - xoff_lo[blk] : xoff_lo[blk];
-        __m512i dotq = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ih[i], 7), il[i]), _mm512_set1_epi32(off));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dotq), _mm512_mul_ps(scale, _mm512_set1_ps(s[blk])), acc[i]);
-    }
-}
-
-static inline __attribute__((always_inline)) void vn_block_q6(int mr, const uint8_t *panel, int64_t nblocks,
-                                                              const uint8_t *xq, int64_t K, int64_t m0, int64_t c0,
-                                                              __mmask16 mask, float *y, int64_t ldy) {
-    __m512 acc[VN_MR];
-    for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
-    for (int64_t sb = 0; sb < nblocks / 8; sb++) {
-        const uint8_t *super = panel + sb * VN_Q6_SUPER;
-        __m512 d = _mm512_loadu_ps((const float *)super);
-        for (int b = 0; b < 8; b++) {
-            const uint8_t *r = super + 64 + b * VN_Q6_RECORD;
-            __m512 lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 384)))));
-            __m512 hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(r + 400)))));
-            vn_q6_half(mr, 0, r, lo, xq, K, nblocks, 8 * sb + b, m0, acc);
-            vn_q6_half(mr, 1, r, hi, xq, K, nblocks, 8 * sb + b, m0, acc);
-        }
-    }
-    for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (m0 + i) * ldy + c0, mask, acc[i]);
-}
-
-#define VN_ROWS_Q6                                                                   \
-    switch (mr) {                                                                    \
-    case 8: vn_block_q6(8, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;      \
-    case 7: vn_block_q6(7, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;      \
-    case 6: vn_block_q6(6, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;      \
-    case 5: vn_block_q6(5, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;      \
-    case 4: vn_block_q6(4, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;      \
-    case 3: vn_block_q6(3, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;      \
-    case 2: vn_block_q6(2, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;      \
-    default: vn_block_q6(1, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
-    }
-
 #define VN_ROWS(q)                                                                   \
     switch (mr) {                                                                    \
     case 8: vn_block(q, 8, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
@@ -394,13 +276,13 @@ int pd_vnni_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K,
     int64_t nblocks = K / 32, rb = vn_row_bytes(K), panels = (N + 15) / 16, pbytes = vn_panel_bytes(qtype, K);
     uint8_t *xq = (uint8_t *)aligned_alloc(64, (size_t)((M * rb + 63) / 64 * 64));
     if (xq == NULL) return PD_ENOMEM;
-    int offset = qtype == PD_Q4_0 ? 8 : qtype == PD_Q8_0 ? 128 : qtype == PD_Q6_K ? 32 : 0;
+    int offset = qtype == PD_Q4_0 ? 8 : qtype == PD_Q8_0 ? 128 : 0;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++) {
         uint8_t *row = xq + m * rb;
         float *s = (float *)(row + 2 * K);
         vn_quantize_row(x + m * ldx, K, offset, (int8_t *)row, (int8_t *)row + K, s, s + nblocks,
-                        (int32_t *)(s + 2 * nblocks), (int32_t *)(s + 3 * nblocks));
+                        (int32_t *)(s + 2 * nblocks));
     }
 #pragma omp parallel for schedule(static) if (M * N * K >= 262144)
     for (int64_t p = 0; p < panels; p++) {
@@ -415,8 +297,6 @@ int pd_vnni_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K,
                 VN_ROWS(PD_Q4_1)
             } else if (qtype == PD_Q4_K) {
                 VN_ROWS(PD_Q4_K)
-            } else if (qtype == PD_Q6_K) {
-                VN_ROWS_Q6
             } else {
                 VN_ROWS(PD_Q8_0)
             }
