@@ -54,8 +54,8 @@ PASSES = 3
 
 # After the first alternating round, a side this many times faster than the other has won
 # that row count: the further rounds are for close calls. On a 2-core Zen 4, SmolLM2's
-# contests mostly compared kernels 1.4-2.5x apart, and timing every row count in full cost a
-# first start-up ~2.7 s.
+# contests mostly compared kernels 1.4-2.5x apart; timing every row count in full took
+# ~3.4 s of a first start-up, deciding clear gaps after one round ~2.7 s.
 DECISIVE = 1.3
 
 # A ring never holds more copies than this (a tiny test model's weights stay cached then,
@@ -122,9 +122,10 @@ def _time_both(small_ring: list[Kernel], large_ring: list[Kernel], x: torch.Tens
                budget_s: float) -> tuple[float, float]:
     """Seconds per call of each side: the best of alternating passes over the two rings
     (after a warm-up pass of each; one round when its gap is DECISIVE), so that both see
-    the same moments of a machine whose speed drifts by +-20% within minutes. Timing one side's passes and then the other's
-    let a drift decide: SmolLM2's 960 x 576 layer once got the VNNI kernel up to 64 rows
-    where the bf16 GEMM was 1.2x faster from 32 (and made a step 1.08x slower)."""
+    the same moments of a machine whose speed drifts by +-20% within minutes. Timing one
+    side's passes and then the other's let a drift decide: SmolLM2's 960 x 576 layer once
+    got the VNNI kernel up to 64 rows where the bf16 GEMM was 1.2x faster from 32 (and made
+    a step 1.08x slower)."""
     _pass(small_ring, x), _pass(large_ring, x)
     best_small = best_large = float("inf")
     spent, rounds = 0.0, 0

@@ -233,8 +233,9 @@ static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, co
         if (qtype == PD_Q4_K) {
             __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 256))));
             __m512 m = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(r + 272))));
+            __m512 dmin = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + 32)));
             d = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)super)), sc);
-            mv = _mm512_sub_ps(mv, _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(super + 32))), m));
+            mv = _mm512_sub_ps(mv, _mm512_mul_ps(dmin, m)); /* -dmin * m */
         } else {
             d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb)));
             if (qtype == PD_Q4_1) mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb + 32)));
