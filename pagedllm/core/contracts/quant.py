@@ -62,7 +62,10 @@ class EmbeddingMethod(ABC):
         not a plain copy)."""
 
     def process_after_loading(self, layer: nn.Module) -> None:
-        """Repack or convert the loaded weights (called once, after all weights load)."""
+        """Repack or convert the loaded weights (called once, after all weights load).
+        `layer.serves_logits` is False for an input embedding whose model has its own
+        lm_head (untied): `logits` is never called on it, so whatever only logits would
+        read (a packed head, kernel timings) need not be built."""
 
     @abstractmethod
     def embed(self, layer: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -419,7 +419,8 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
         layer.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype), requires_grad=False)
 
     def process_after_loading(self, layer):
-        layer.head = ops.pack_linear(layer.weight)  # lookups keep the plain weight
+        if layer.serves_logits:
+            layer.head = ops.pack_linear(layer.weight)  # lookups keep the plain weight
 
     def embed(self, layer, input_ids):
         if input_ids.dim() == 1:
@@ -442,10 +443,13 @@ class VocabEmbedding(nn.Module):
     what the whole matrix would, on every rank."""
 
     def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype,
-                 quant_config: QuantConfig | None = None, prefix: str = "", tp: Group | None = None) -> None:
+                 quant_config: QuantConfig | None = None, prefix: str = "", tp: Group | None = None,
+                 serves_logits: bool = True) -> None:
         super().__init__()
         self.prefix = prefix
         self.vocab_size = vocab_size
+        # False: an untied input embedding, only looked up (its method builds no head)
+        self.serves_logits = serves_logits
         self.tp = tp if tp is not None else one_rank()
         method = quant_config.embedding_method(prefix) if quant_config is not None else None
         self.method: EmbeddingMethod = method or UnquantizedEmbeddingMethod()
@@ -469,6 +473,9 @@ class VocabEmbedding(nn.Module):
         return self.tp.all_reduce(rows)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.serves_logits:
+            raise RuntimeError(f"{self.prefix}: built as an input embedding only (the model has its own lm_head); "
+                               "it computes no logits")
         if self.tp.size == 1:
             return self.method.logits(self, x)
         return self.tp.all_gather(self.method.logits(self, x), dim=-1)[..., :self.vocab_size]

@@ -215,8 +215,10 @@ class LlamaModel(nn.Module):
         parallel = ctx.parallel
         self.first_stage, self.last_stage = parallel.pp.first, parallel.pp.last
         self.stage = parallel.stage_layers(cfg.num_hidden_layers)
+        # untied: the model's own lm_head computes the logits, so no head is built for this one
+        tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.embed_tokens = (VocabEmbedding(cfg.vocab_size, cfg.hidden_size, ctx.dtype, ctx.quant_config,
-                                            "model.embed_tokens", tp=parallel.tp)
+                                            "model.embed_tokens", tp=parallel.tp, serves_logits=tied)
                              if self.first_stage else AbsentLayer("model.embed_tokens"))
         self.layers = nn.ModuleList(make_layer(i, f"model.layers.{i}") if i in self.stage
                                     else AbsentLayer(f"model.layers.{i}") for i in range(cfg.num_hidden_layers))

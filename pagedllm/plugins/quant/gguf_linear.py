@@ -422,12 +422,16 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
     def process_after_loading(self, layer):
         qtype = layer.gguf_qtype
         if qtype is None:  # a float matrix: the dense weight is all there is
-            layer.gguf_head = ops.pack_linear(layer.weight)
+            if layer.serves_logits:
+                layer.gguf_head = ops.pack_linear(layer.weight)
             return
         raw = layer.qweight_raw
         del layer.qweight_raw
         hidden = layer.gguf_shape[1]
         exact = _dequantize(raw, qtype, hidden) if self.keep_dense else None
+        if exact is not None and not layer.serves_logits:  # lookups read the dense copy alone
+            layer.weight = nn.Parameter(exact.to(layer.gguf_params_dtype), requires_grad=False)
+            return
         blocks = _native_groups([(qtype, raw)], hidden, raw.device,  # what the native kernels read
                                 None if exact is None else [exact])
         if blocks is not None:

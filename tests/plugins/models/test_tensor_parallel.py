@@ -175,3 +175,16 @@ def test_a_quantized_method_is_refused_under_tensor_parallel():
     with pytest.raises(NotImplementedError, match=r"quantization awq with tensor_parallel_size > 1 is not "
                                                   r"supported yet"):
         LlamaForCausalLM(model_context(cfg, fake_state(2, 1, 0), quant))
+
+
+def test_an_untied_input_embedding_has_no_head_and_refuses_logits():
+    """Unquantized too: an input embedding built with serves_logits=False packs no head (a
+    copy of the whole matrix) and says so if logits are asked of it."""
+    untied = VocabEmbedding(32, 16, torch.float32, prefix="model.embed_tokens", serves_logits=False)
+    untied.method.process_after_loading(untied)
+    assert "head" not in untied.__dict__
+    with pytest.raises(RuntimeError, match="model.embed_tokens: built as an input embedding only"):
+        untied.logits(torch.randn(2, 16))
+    tied = VocabEmbedding(32, 16, torch.float32, prefix="lm_head")
+    tied.method.process_after_loading(tied)
+    assert tied.logits(torch.randn(2, 16)).shape == (2, 32)
