@@ -119,7 +119,8 @@ def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
 
 def _vnni_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence[tuple[int | None, torch.Tensor]],
                     k: int):
-    """The VNNI kernel on the 32-value blocks the native kernel reads."""
+    """The VNNI kernel on `blocks` (the 32-value blocks the native kernel reads, or groups
+    VNNI reads as stored)."""
     if not gguf_vnni.available() or not all(native.vnni_reads(q, k) for q, _ in blocks):
         return None
     return gguf_vnni.VnniLinear(blocks, k)
@@ -135,15 +136,11 @@ def _vnni_stored_candidate(blocks: Sequence[tuple[int, torch.Tensor]],
     6.6 bits against Q8_0's 8.5, was compute-bound and slower on a 2-core Zen 4, see
     csrc/vnni.c); Q4_K as stored streamed a 17920 x 1536 layer at one row in 448 us
     against 531 for Q4_1 there."""
-    if not gguf_vnni.available():
-        return None
     groups = [own if own[0] is not None and own[0] != rewritten[0] and native.vnni_reads(own[0], k) else rewritten
               for own, rewritten in zip(source, blocks)]
     if all(group is rewritten for group, rewritten in zip(groups, blocks)):
         return None
-    if not all(native.vnni_reads(q, k) for q, _ in groups):
-        return None
-    return gguf_vnni.VnniLinear(groups, k)
+    return _vnni_candidate(groups, source, k)
 
 
 def _int4_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence[tuple[int | None, torch.Tensor]],
