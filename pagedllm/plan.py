@@ -131,14 +131,20 @@ def read_model(path: str, registry: PluginRegistry, load_format: str = "auto", o
                       quant_config=quant_config, gguf_tensors=tensors)
 
 
-def compute_dtype_bytes(facts: ModelFacts, settings: Settings) -> tuple[int, str]:
-    """The engine's compute dtype (the worker's rule) and its size."""
+def compute_dtype_bytes(facts: ModelFacts, settings: Settings) -> tuple[int, str, int | None]:
+    """The engine's compute dtype (the worker's rule), its size, and the size of the dense
+    weights where they keep another dtype (a 16-bit checkpoint computed in float32 on the
+    CPU keeps its weights bf16), else None."""
     import torch
 
-    from pagedllm.core.worker import resolve_dtype
+    from pagedllm.core.worker import dense_weight_dtype, resolve_dtype
 
-    dtype = resolve_dtype(settings.dtype, facts.hf_config, "cuda" if settings.on_gpu else "cpu")
-    return torch.empty((), dtype=dtype).element_size(), str(dtype).replace("torch.", "")
+    device = "cuda" if settings.on_gpu else "cpu"
+    quantized = bool(settings.quantization or facts.checkpoint_quantization)
+    dtype = resolve_dtype(settings.dtype, facts.hf_config, device, quantized)
+    dense = dense_weight_dtype(settings.dtype, facts.hf_config, device, quantized)
+    size = torch.empty((), dtype=dtype).element_size()
+    return size, str(dtype).replace("torch.", ""), None if dense is None else torch.empty((), dtype=dense).element_size()
 
 
 # ---------------------------------------------------------------------- activations
@@ -248,7 +254,7 @@ def make_plan(facts: ModelFacts, settings: Settings) -> Plan:
     """Every number of the plan, without remedies (see `plan_with_remedies`)."""
     check_layout(facts, settings)
     cfg, tp, pp = facts.text_config, settings.tensor_parallel_size, settings.pipeline_parallel_size
-    dtype_bytes, dtype_name = compute_dtype_bytes(facts, settings)
+    dtype_bytes, dtype_name, dense_bytes = compute_dtype_bytes(facts, settings)
     moe = moe_shape(cfg)
     quant = settings.quantization or facts.checkpoint_quantization
     if facts.gguf_tensors is not None:
@@ -259,9 +265,12 @@ def make_plan(facts: ModelFacts, settings: Settings) -> Plan:
     else:
         fmt = weight_format(quant, facts.quant_config if quant == facts.checkpoint_quantization else {},
                             dtype_bytes, dtype_name)
+        if dense_bytes is not None:  # linear layers and embeddings keep the checkpoint's 16 bits
+            fmt = WeightFormat(f"bfloat16 weights, {dtype_name} activations", dense_bytes, dense_bytes)
         pieces = weight_pieces(cfg, facts.spec, moe, fmt, facts.tied)
     weights = stage_weight_bytes(pieces, facts.num_layers, tp, pp, settings.enable_expert_parallel, facts.tied)
-    element = kv_element_size(settings.kv_cache_dtype, dtype_bytes)
+    # a 16-bit checkpoint computed in float32 keeps a bf16 cache where the CPU multiplies in bf16
+    element = kv_element_size(settings.kv_cache_dtype, dense_bytes or dtype_bytes)
     held = tokens_held_per_seq(settings.max_model_len, facts.spec.kv_window, settings.max_num_batched_tokens,
                                settings.block_size)
     step_tokens = min(settings.max_num_batched_tokens, settings.max_model_len)

@@ -56,16 +56,36 @@ DTYPES = {"half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfl
           "float": torch.float32, "float32": torch.float32}
 
 
-def resolve_dtype(requested: str, hf_config: Any, device: str) -> torch.dtype:
+def checkpoint_dtype(hf_config: Any) -> torch.dtype:
+    """The dtype a checkpoint's config names (float32 where it names none)."""
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    return DTYPES.get(dtype, torch.float32) if isinstance(dtype, str) else dtype
+
+
+def resolve_dtype(requested: str, hf_config: Any, device: str, quantized: bool = False) -> torch.dtype:
+    """The compute dtype: `requested`, or for "auto" the checkpoint's, except on the CPU,
+    where an unquantized 16-bit checkpoint computes in float32 over its bf16 weights
+    (`dense_weight_dtype`: bf16 products, float32 activations; faster than bf16
+    activations there, whose ops convert around the float32 kernels) and a quantized
+    float16 one in bfloat16."""
     if requested != "auto":
         return DTYPES[requested]
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = DTYPES.get(dtype, torch.float32)
+    dtype = checkpoint_dtype(hf_config)
+    if dense_weight_dtype(requested, hf_config, device, quantized) is not None:
+        return torch.float32
     if device == "cpu" and dtype == torch.float16:
         logger.info("float16 is slow on the CPU; using bfloat16 (pass --dtype to override)")
         return torch.bfloat16
     return dtype
+
+
+def dense_weight_dtype(requested: str, hf_config: Any, device: str, quantized: bool) -> torch.dtype | None:
+    """bf16 where `resolve_dtype` runs a 16-bit checkpoint in float32 (`--dtype auto`, the
+    CPU, no quantization): the dtype its dense weights are created in (a float16
+    checkpoint's are rounded to bf16, as its bf16 run did); None: the compute dtype."""
+    if requested != "auto" or device != "cpu" or quantized:
+        return None
+    return torch.bfloat16 if checkpoint_dtype(hf_config) in (torch.bfloat16, torch.float16) else None
 
 
 def zeroed(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -183,7 +203,8 @@ class Worker:
             # a rank that sees fewer GPUs than the node has (a Ray actor sees its own one) takes its share
             self.device = torch.device("cuda", local_rank % torch.cuda.device_count())
             torch.cuda.set_device(self.device)
-        self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device.type)
+        quant = _quant_config(config.model.quantization, source, registry, config.plugin_options)
+        self.dtype = resolve_dtype(config.model.dtype, source.hf_config, self.device.type, quant is not None)
         self.block_size = config.cache.block_size
         self.max_model_len = max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -191,11 +212,11 @@ class Worker:
 
         self.registry = registry
         model_cls = registry.model_class(list(getattr(source.hf_config, "architectures", None) or []))
-        quant = _quant_config(config.model.quantization, source, registry, config.plugin_options)
         self.matmul_precision = "highest"
         if self.dtype == torch.float32:
+            half = self._dense_weights(source, quant) is not None
             self.matmul_precision, why = precision.resolve(
-                envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION"), config.model.dtype, quant is not None)
+                envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION"), config.model.dtype, quant is not None, half)
             logger.info("float32 matmul precision %s (%s)", self.matmul_precision, why)
         # this rank's share of the heads, and the layers its pipeline stage holds
         self.kv_spec = model_cls.kv_cache_spec(source.hf_config).for_tensor_parallel(parallel.tp.size)
@@ -258,13 +279,20 @@ class Worker:
             quant.bind(model_cls.packed_modules_mapping)
         ctx = self._model_context(source.hf_config)
         ctx.quant_config = quant
-        with precision.matmul_precision(self.matmul_precision):
+        with precision.matmul_precision(self.matmul_precision, self._dense_weights(source, quant)):
             with torch.device(self.device):
                 model = model_cls(ctx)
             weights = source.weights()
             model.load_weights(quant.weights(weights, model) if quant is not None else weights)
             process_after_loading(model)
         return model.eval()
+
+    def _dense_weights(self, source: ModelSource, quant: QuantConfig | None) -> torch.dtype | None:
+        """The dtype `source`'s dense weights are created in (None: the compute dtype): a
+        draft's own checkpoint decides for its weights, under the target's compute dtype."""
+        if self.dtype != torch.float32:
+            return None
+        return dense_weight_dtype(self.config.model.dtype, source.hf_config, self.device.type, quant is not None)
 
     def _model_context(self, hf_config: Any) -> ModelContext:
         return ModelContext(hf_config=hf_config, dtype=self.dtype, device=self.device,

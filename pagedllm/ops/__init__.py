@@ -19,9 +19,9 @@ import torch.nn.functional as F
 
 from pagedllm.ops.dispatch import Op, chosen, reset
 from pagedllm.ops.moe import PackedExperts, fused_moe, pack_moe, select_experts
-from pagedllm.core.precision import float32_matmul_precision, matmul_precision
+from pagedllm.core.precision import dense_weight_dtype, float32_matmul_precision, matmul_precision
 
-__all__ = ["Op", "PackedExperts", "PackedLinear", "chosen", "float32_matmul_precision", "fused_moe", "gather_rows", "matmul_precision",
+__all__ = ["Op", "PackedExperts", "PackedLinear", "chosen", "dense_weight_dtype", "float32_matmul_precision", "fused_moe", "gather_rows", "matmul_precision",
            "gelu_and_mul", "pack_linear", "pack_moe", "reset", "rms_norm", "rotary_qkv", "select_experts", "silu_and_mul"]
 
 
@@ -74,10 +74,12 @@ def _rotary_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
     return qk[:, :num_heads], qk[:, num_heads:], v.reshape(t, num_kv_heads, head_dim)
 
 
-def _gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """table[ids] for a table [rows, ...] and 1-D int64 ids [n] -> [n, ...] (embedding and
-    rotary-table lookups)."""
-    return table[ids]
+def _gather_rows(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """table[ids] for a table [rows, ...] and 1-D int64 ids [n] -> [n, ...] in `dtype`
+    (default: the table's; a bf16 embedding kept under float32 compute asks for float32)
+    (embedding and rotary-table lookups)."""
+    rows = table[ids]
+    return rows if dtype is None else rows.to(dtype)
 
 
 def _argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -102,12 +104,14 @@ class PackedLinear(Protocol):
 
 
 class _TorchLinear:
-    owns_copy = False
     kind = "torch"
 
     def __init__(self, weight: torch.Tensor) -> None:
-        self.weight = weight
-        self.nbytes = weight.numel() * weight.element_size()
+        # a 16-bit weight kept under float32 compute (`dense_weight_dtype()`) is widened
+        # once: F.linear wants both operands in one dtype
+        self.owns_copy = dense_weight_dtype() is not None and weight.dtype != torch.float32
+        self.weight = weight.float() if self.owns_copy else weight
+        self.nbytes = self.weight.numel() * self.weight.element_size()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)
@@ -118,7 +122,9 @@ def _pack_linear(weight: torch.Tensor) -> PackedLinear:
     `PackedLinear` (the reference keeps the weight as it is and calls F.linear).
 
     For a float32 weight, products must be float32 unless `float32_matmul_precision()` is
-    "medium" at pack time (see pagedllm/core/precision.py); then bf16 products are allowed."""
+    "medium" at pack time (see pagedllm/core/precision.py); then bf16 products are allowed.
+    A bf16 weight may meet float32 activations (`dense_weight_dtype()` set at pack time):
+    the result is in x's dtype either way."""
     return _TorchLinear(weight)
 
 

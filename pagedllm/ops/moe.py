@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from pagedllm.core import envs
+from pagedllm.core.precision import dense_weight_dtype
 from pagedllm.ops.dispatch import Op
 
 DEFAULT_CHUNK_SIZE = 32768  # vLLM's VLLM_FUSED_MOE_CHUNK_SIZE default
@@ -117,11 +118,12 @@ class PackedExperts(Protocol):
 
 
 class _FusedExperts:
-    owns_copy = False
     kind = "torch"
 
     def __init__(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        self.w13, self.w2 = w13, w2
+        # 16-bit experts kept under float32 compute (`dense_weight_dtype()`) are widened once
+        self.owns_copy = dense_weight_dtype() is not None and w13.dtype != torch.float32
+        self.w13, self.w2 = (w13.float(), w2.float()) if self.owns_copy else (w13, w2)
 
     def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                  activation: str) -> torch.Tensor:

@@ -75,6 +75,7 @@ _SIGNATURES = {
     "pd_paged_attention": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
                                   _f32, _i64, _f32]),
     "pd_gather_rows": (_i32, [_p, _i64, _i64, _p, _i64, _p]),
+    "pd_gather_rows_bf16": (_i32, [_p, _i64, _i64, _p, _i64, _p]),
     "pd_argmax_rows": (None, [_p, _i64, _i64, _i64, _p]),
     "pd_write_kv_bf16": (None, [_p, _i64, _p, _i64, _p, _p, _p, _i64, _i64]),
     "pd_paged_attention_bf16": (_i32, [_p, _i64, _p, _p, _p, _i64, _p, _p, _p, _i64, _p, _i64, _i64, _i64, _i64,
@@ -876,13 +877,15 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """table[ids] for a float32 table [rows, ...] and int64 ids [n] -> [n, ...] (one kernel
-    call, so a recorded step replays it; see replay.py)."""
+    """table[ids] for a float32 or bf16 table [rows, ...] and int64 ids [n] -> float32 [n, ...]
+    (a bf16 table's rows widened; one kernel call, so a recorded step replays it; see replay.py)."""
     if ids.dim() != 1:
         raise ValueError(f"ids: expected a 1-D tensor, got {list(ids.shape)}")
     out = torch.empty((ids.shape[0], *table.shape[1:]), dtype=torch.float32)
     rows = table.shape[0]
-    if _lib().pd_gather_rows(_ptr(table, "table", torch.float32), rows, table.numel() // rows if rows else 0,
-                             _ptr(ids, "ids", torch.int64), ids.shape[0], out.data_ptr()) != PD_OK:
+    bf16 = table.dtype == torch.bfloat16
+    kernel = _lib().pd_gather_rows_bf16 if bf16 else _lib().pd_gather_rows
+    if kernel(_ptr(table, "table", torch.bfloat16 if bf16 else torch.float32), rows, table.numel() // rows if rows else 0,
+              _ptr(ids, "ids", torch.int64), ids.shape[0], out.data_ptr()) != PD_OK:
         raise IndexError(f"gather_rows: an id is outside [0, {rows})")
     return out

@@ -13,6 +13,7 @@ import functools
 import torch
 
 from pagedllm.core.contracts import OpImpl
+from pagedllm import ops
 from pagedllm.ops import moe
 from pagedllm.ops.cpu import crossover, dense, native
 
@@ -78,8 +79,18 @@ def rotary_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: i
             qkv[:, q_size + kv_size:].view(t, num_kv_heads, head_dim))
 
 
-def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    return native.gather_rows(table.contiguous(), ids)
+def gather_rows(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    rows = native.gather_rows(table.contiguous(), ids)
+    return rows if dtype in (None, torch.float32) else rows.to(dtype)
+
+
+def gather_rows_bf16(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A bf16 table's rows widened to float32 in one kernel where float32 is asked for (a
+    16-bit checkpoint's embedding under float32 compute); bf16 rows as the reference else."""
+    if dtype == torch.float32:
+        return native.gather_rows(table.contiguous(), ids)
+    rows = table[ids]
+    return rows if dtype is None else rows.to(dtype)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
@@ -192,6 +203,16 @@ class PackedBF16:
         return dense.linear_bf16(x, self.bf16, bias)
 
 
+def pack_bf16_linear(weight: torch.Tensor) -> PackedDense | PackedBF16:
+    """`pack_linear` of a bf16 weight: packed as bf16, except where a 16-bit checkpoint's
+    weights meet float32 activations (`ops.dense_weight_dtype()`) on a CPU that should not
+    multiply in bf16 (no native bf16 products, or "highest" precision asked for): float32
+    panels then hold it exactly, as a float32 checkpoint's would be."""
+    if ops.dense_weight_dtype() is not None and not bf16_products_pay():
+        return PackedDense(weight.float())
+    return PackedBF16(weight)
+
+
 class PackedExperts:
     """A MoE layer's float32 experts packed for the native GEMM and run by one kernel call
     (csrc/moe.c: routing sort, gathers, both GEMMs, activation and the weighted sum), so a
@@ -230,19 +251,28 @@ class PackedExpertsBF16:
         return moe.expert_rows(x, topk_weights, topk_ids, len(self.w13), expert)
 
 
+def pack_bf16_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | PackedExpertsBF16:
+    """`pack_moe` of bf16 experts: as bf16, or widened for the float32 MoE kernel where
+    `pack_bf16_linear` would widen a dense weight."""
+    if ops.dense_weight_dtype() is not None and not bf16_products_pay() and native.available():
+        return PackedExperts(w13.float(), w2.float())
+    return PackedExpertsBF16(w13, w2)
+
+
 # every implementation here runs on the one native library, built (or found) at start-up in
 # the background (OpImpl.prepare)
 _native_impl = functools.partial(OpImpl, prepare=native.prepare)
 OP_IMPLS = [
-    _native_impl("pack_moe", "cpu_packed_bf16_moe", PackedExpertsBF16, _packed_bf16_here),
+    _native_impl("pack_moe", "cpu_packed_bf16_moe", pack_bf16_experts, _packed_bf16_here),
     _native_impl("pack_moe", "cpu_native_moe", PackedExperts, float32_cpu),
     _native_impl("rms_norm", "cpu_native", rms_norm, float32_cpu),
     _native_impl("silu_and_mul", "cpu_native", silu_and_mul, float32_cpu),
     _native_impl("rotary_qkv", "cpu_native", rotary_qkv, float32_cpu),
     _native_impl("gather_rows", "cpu_native", gather_rows, float32_cpu),
+    _native_impl("gather_rows", "cpu_native_bf16", gather_rows_bf16, bf16_cpu),
     _native_impl("argmax_rows", "cpu_native", argmax_rows, float32_cpu),
     _native_impl("pack_linear", "cpu_packed", PackedDense, _packed_dense_here),
-    _native_impl("pack_linear", "cpu_packed_bf16", PackedBF16, _packed_bf16_here),
+    _native_impl("pack_linear", "cpu_packed_bf16", pack_bf16_linear, _packed_bf16_here),
     _native_impl("rms_norm", "cpu_native_bf16", rms_norm_bf16, bf16_cpu),
     _native_impl("silu_and_mul", "cpu_native_bf16", silu_and_mul_bf16, bf16_cpu),
     _native_impl("rotary_qkv", "cpu_native_bf16", rotary_qkv_bf16, bf16_cpu),

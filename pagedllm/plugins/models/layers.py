@@ -138,12 +138,15 @@ def _offsets(sizes: Sequence[int]) -> list[int]:
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A dense weight [sum(output_sizes), input_size] in the compute dtype."""
+    """A dense weight [sum(output_sizes), input_size] in the compute dtype, or in
+    `ops.dense_weight_dtype()` where the load keeps a 16-bit checkpoint's weights as they
+    are under float32 compute (the bias stays in the compute dtype)."""
 
     supports_tensor_parallel = True  # its one weight narrows like any tensor (Linear marks it)
 
     def create_weights(self, layer, input_size, output_sizes, params_dtype):
-        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=params_dtype), requires_grad=False)
+        dtype = ops.dense_weight_dtype() or params_dtype
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         weight.output_offsets = _offsets(output_sizes)  # type: ignore[attr-defined]
         layer.register_parameter("weight", weight)
 
@@ -411,12 +414,16 @@ class Attention(nn.Module):
 
 
 class UnquantizedEmbeddingMethod(EmbeddingMethod):
-    """One dense [vocab, hidden] tensor in the compute dtype."""
+    """One dense [vocab, hidden] tensor in the compute dtype, or in `ops.dense_weight_dtype()`
+    as the linear weights (a 16-bit checkpoint under float32 compute: its rows are widened
+    as they are looked up, its logits are bf16 products)."""
 
     supports_tensor_parallel = True  # VocabEmbedding marks and narrows its rows
 
     def create_weights(self, layer, vocab_size, hidden_size, params_dtype):
-        layer.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=params_dtype), requires_grad=False)
+        layer.rows_dtype = params_dtype  # what lookups return: the compute dtype
+        dtype = ops.dense_weight_dtype() or params_dtype
+        layer.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype), requires_grad=False)
 
     def process_after_loading(self, layer):
         if layer.serves_logits:
@@ -424,8 +431,8 @@ class UnquantizedEmbeddingMethod(EmbeddingMethod):
 
     def embed(self, layer, input_ids):
         if input_ids.dim() == 1:
-            return ops.gather_rows(layer.weight, input_ids)
-        return F.embedding(input_ids, layer.weight)
+            return ops.gather_rows(layer.weight, input_ids, layer.rows_dtype)
+        return F.embedding(input_ids, layer.weight).to(layer.rows_dtype)
 
     def logits(self, layer, x):
         head = layer.__dict__.get("head")

@@ -196,12 +196,14 @@ def expert_parameter(layer: nn.Module, name: str, shape: tuple[int, ...], dtype:
 
 
 class UnquantizedMoEMethod(MoEMethod):
-    """Dense experts in the compute dtype: w13_weight [E, 2I, H], w2_weight [E, H, I]
-    (E and I this rank's: it loads tensor- and expert-parallel shares)."""
+    """Dense experts in the compute dtype (or `ops.dense_weight_dtype()`, as dense linear
+    weights): w13_weight [E, 2I, H], w2_weight [E, H, I] (E and I this rank's: it loads
+    tensor- and expert-parallel shares)."""
 
     supports_tensor_parallel = True
 
     def create_weights(self, layer, num_experts, hidden_size, intermediate_size, params_dtype):
+        params_dtype = ops.dense_weight_dtype() or params_dtype
         expert_parameter(layer, "w13_weight", (num_experts, 2 * intermediate_size, hidden_size), params_dtype,
                          (intermediate_size, intermediate_size), intermediate_dim=0)
         expert_parameter(layer, "w2_weight", (num_experts, hidden_size, intermediate_size), params_dtype,

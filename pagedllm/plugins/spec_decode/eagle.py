@@ -160,6 +160,7 @@ class EagleHead(nn.Module):
         cfg = ctx.hf_config
         h, dtype = cfg.hidden_size, ctx.dtype
         self.version = shape.version
+        self.dtype = dtype  # the compute dtype (dense weights may be kept in another, see ops.dense_weight_dtype)
         self.fc = Linear(shape.fc_in, h, bias=shape.fc_bias, params_dtype=dtype)
         if shape.version == 3:
             self.layers = nn.ModuleList([HeadLayer(ctx, 0, 2 * h, input_norm=True, hidden_norm=True)])
@@ -259,7 +260,7 @@ def load_head(head: EagleHead, tensors: Iterator[tuple[str, torch.Tensor]], path
         module = target.split(".")[0]
         if module in optional and getattr(head, module) is None:
             with torch.device(head.fc.weight.device):  # where the rest of the head was built
-                setattr(head, module, VocabEmbedding(tensor.shape[0], tensor.shape[1], head.fc.weight.dtype))
+                setattr(head, module, VocabEmbedding(tensor.shape[0], tensor.shape[1], head.dtype))
             params.update({f"{module}.{k}": v for k, v in getattr(head, module).named_parameters()})
         if target not in params:
             raise ValueError(f"EAGLE head {path}: tensor {name!r} has no place in the head "

@@ -1,4 +1,4 @@
-"""The per-row kernels (csrc/elementwise.c: pd_gather_rows, pd_argmax_rows, pd_rms_norm,
+"""The per-row kernels (csrc/elementwise.c: pd_gather_rows(_bf16), pd_argmax_rows, pd_rms_norm,
 pd_silu_mul, pd_rope_neox) through their native.py wrappers, against torch indexing, float64 torch
 and the model's own rotary embedding. Every test runs on both builds (conftest.py)."""
 
@@ -27,6 +27,27 @@ def test_gather_rows_matches_indexing():
     got = native.gather_rows(table, ids)
     assert got.shape == (5, 4, 6) and torch.equal(got, table[ids]), "gather_rows differs from table[ids]"
     assert native.gather_rows(table, torch.empty(0, dtype=torch.int64)).shape == (0, 4, 6)
+
+
+def test_gather_rows_widens_a_bf16_table_exactly():
+    gen = torch.Generator().manual_seed(4)
+    table = torch.randn(300, 2, 40, generator=gen).bfloat16()
+    table[7, 0, :3] = torch.tensor([float("inf"), float("nan"), -0.0])
+    ids = torch.tensor([7, 299, 0, 7, 150] * 40)  # 200 rows: the threaded branch
+    got = native.gather_rows(table, ids)
+    assert got.dtype == torch.float32 and got.shape == (200, 2, 40)
+    assert torch.equal(got.view(torch.int32), table[ids].float().view(torch.int32)), "bf16 rows not widened bit-exactly"
+    with pytest.raises(IndexError, match="outside"):
+        native.gather_rows(table, torch.tensor([300]))
+
+
+def test_the_gather_op_returns_the_dtype_asked_for():
+    from pagedllm.plugins.cpu_native import ops as cpu_ops
+
+    table, ids = torch.randn(20, 8).bfloat16(), torch.tensor([1, 19, 4])
+    assert torch.equal(cpu_ops.gather_rows_bf16(table, ids, torch.float32), table[ids].float())
+    assert cpu_ops.gather_rows_bf16(table, ids).dtype == torch.bfloat16, "without a dtype: the table's"
+    assert torch.equal(ops.gather_rows(table, ids, torch.float32), table[ids].float())
 
 
 def test_gather_rows_rejects_bad_ids():

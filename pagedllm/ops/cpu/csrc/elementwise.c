@@ -1,7 +1,7 @@
 /* Per-row kernels of a transformer layer: RMSNorm with the residual add fused in
  * (pd_rms_norm), rotary embedding in place (pd_rope_neox), the SwiGLU gate
  * (pd_silu_mul), and a row gather for embedding and rotary-table lookups
- * (pd_gather_rows), and each row's argmax for greedy sampling (pd_argmax_rows). */
+ * (pd_gather_rows, pd_gather_rows_bf16), and each row's argmax for greedy sampling (pd_argmax_rows). */
 #include "pd_kernels.h"
 
 /* ------------------------------------------------------------------ row gather */
@@ -12,6 +12,21 @@ int pd_gather_rows(const float *table, int64_t num_rows, int64_t row_len, const 
         if (ids[i] < 0 || ids[i] >= num_rows) return PD_EINVAL;
 #pragma omp parallel for schedule(static) if (n * row_len > 65536)
     for (int64_t i = 0; i < n; i++) memcpy(out + i * row_len, table + ids[i] * row_len, (size_t)row_len * sizeof(float));
+    return PD_OK;
+}
+
+/* out[i] = table[ids[i]] widened to float32, for a bf16 table (the embedding of a 16-bit
+ * checkpoint computed in float32, kept as stored). Same contract as pd_gather_rows. */
+int pd_gather_rows_bf16(const uint16_t *table, int64_t num_rows, int64_t row_len, const int64_t *ids, int64_t n,
+                        float *out) {
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= num_rows) return PD_EINVAL;
+#pragma omp parallel for schedule(static) if (n * row_len > 65536)
+    for (int64_t i = 0; i < n; i++) {
+        const uint16_t *src = table + ids[i] * row_len;
+        uint32_t *dst = (uint32_t *)(out + i * row_len);
+        for (int64_t j = 0; j < row_len; j++) dst[j] = (uint32_t)src[j] << 16; /* bf16 is float32's top half */
+    }
     return PD_OK;
 }
 

@@ -4,7 +4,7 @@
  *   quant.c        ggml-quantized weights: pd_repack, pd_linear_packed, pd_dequantize
  *   sgemm.c        dense float32 linear: pd_sgemm_pack, pd_sgemm; pd_linear_packed_gemm (quant.c's
  *                  repacked weights decoded panel by panel into the same GEMM)
- *   elementwise.c  pd_rms_norm, pd_silu_mul, pd_rope_neox, pd_gather_rows, pd_argmax_rows
+ *   elementwise.c  pd_rms_norm, pd_silu_mul, pd_rope_neox, pd_gather_rows(_bf16), pd_argmax_rows
  *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention (+ _bf16 variants,
  *                  pd_has_bf16_kv), pd_attention_tiles
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear
@@ -91,6 +91,8 @@ void pd_silu_mul(const float *x, float *out, int64_t T, int64_t I);
 void pd_rope_neox(float *x, int64_t T, int64_t stride, int64_t nheads, int64_t D, const float *cos_t,
                   const float *sin_t);
 int pd_gather_rows(const float *table, int64_t num_rows, int64_t row_len, const int64_t *ids, int64_t n, float *out);
+int pd_gather_rows_bf16(const uint16_t *table, int64_t num_rows, int64_t row_len, const int64_t *ids, int64_t n,
+                        float *out);
 void pd_argmax_rows(const float *x, int64_t rows, int64_t cols, int64_t ld, int64_t *out);
 void pd_write_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, float *key_cache,
                  float *value_cache, const int64_t *slots, int64_t T, int64_t row);

@@ -49,6 +49,7 @@ static const char *const KERNELS[][2] = {
     {"amx_linear", "piiiipippii"},
     {"bf16dot_linear", "piiiipippii"},
     {"vnni_linear", "ipiiipipi"},
+    {"gather_rows_bf16", "piipip"},
 };
 #define NUM_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -106,6 +107,7 @@ int64_t pd_replay(const pd_call *calls, int64_t n, const int64_t *bases) {
         case 15: rc = pd_amx_linear(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9), I(10)); break;
         case 16: rc = pd_bf16dot_linear(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9), I(10)); break;
         case 17: rc = pd_vnni_linear(I(0), P(1), I(2), I(3), I(4), P(5), I(6), P(7), I(8)); break;
+        case 18: rc = pd_gather_rows_bf16(P(0), I(1), I(2), P(3), I(4), P(5)); break;
         default: return c;
         }
 #undef P
