@@ -95,3 +95,78 @@ def test_a_built_engine_is_still_accepted(tiny_model_dir: Callable[..., Any]) ->
         assert len(_generate(engine, [9, 10])) == 4
     finally:
         engine.shutdown()
+
+
+def _first_step_sizes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Records how many requests each step of an LLMEngine ran (appended as it starts)."""
+    sizes: list[int] = []
+    step = LLMEngine.step
+
+    def recording_step(self: LLMEngine) -> Any:
+        sizes.append(len(self.scheduler.waiting) + len(self.scheduler.running))
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    return sizes
+
+
+def _burst(engine: AsyncLLMEngine, n: int, work_s: float, block_s: float = 0.0) -> None:
+    """n requests handed over one per event-loop turn, each after `work_s` of blocking
+    work (a server parsing and tokenizing them); then the loop blocks `block_s`."""
+    import time
+
+    async def one(i: int) -> None:
+        async for _ in engine.generate(None, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                                       prompt_token_ids=[5 + i, 6, 7]):
+            pass
+
+    async def run() -> None:
+        tasks = []
+        for i in range(n):
+            time.sleep(work_s)
+            tasks.append(asyncio.ensure_future(one(i)))
+            await asyncio.sleep(0)
+        time.sleep(block_s)
+        await asyncio.gather(*tasks)
+
+    asyncio.run(run())
+
+
+def test_an_idle_engine_lets_a_burst_finish_arriving(tiny_model_dir: Callable[..., Any],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six requests handed over ~1 ms apart reach one first step: an idle engine lets the
+    event loop turn until rounds of turns bring nothing new (at most SETTLE_LIMIT_S),
+    instead of taking the cores for the first request alone."""
+    sizes = _first_step_sizes(monkeypatch)
+    engine = AsyncLLMEngine(LLMEngine(_config(str(tiny_model_dir("llama")))))
+    try:
+        _burst(engine, 6, work_s=0.001)
+    finally:
+        engine.shutdown()
+    assert sizes and sizes[0] == 6, f"the first step ran {sizes[0] if sizes else 0} of the burst's 6 requests"
+
+
+def test_a_busy_event_loop_delays_the_first_step_by_the_limit_only(tiny_model_dir: Callable[..., Any],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """An event loop that does not turn (blocked 1 s after handing over a request) holds
+    the engine back SETTLE_LIMIT_S, not until it turns again."""
+    import time
+
+    from pagedllm.core import engine as engine_module
+
+    starts: list[float] = []
+    step = LLMEngine.step
+
+    def timed_step(self: LLMEngine) -> Any:
+        starts.append(time.monotonic())
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", timed_step)
+    engine = AsyncLLMEngine(LLMEngine(_config(str(tiny_model_dir("llama")))))
+    try:
+        begun = time.monotonic()
+        _burst(engine, 1, work_s=0.0, block_s=1.0)
+    finally:
+        engine.shutdown()
+    assert starts and starts[0] - begun < 0.5, \
+        f"the first step began {starts[0] - begun:.2f} s in, waiting on a blocked loop (limit {engine_module.SETTLE_LIMIT_S} s)"
