@@ -143,8 +143,10 @@ def compute_dtype_bytes(facts: ModelFacts, settings: Settings) -> tuple[int, str
     quantized = bool(settings.quantization or facts.checkpoint_quantization)
     dtype = resolve_dtype(settings.dtype, facts.hf_config, device, quantized)
     dense = dense_weight_dtype(settings.dtype, facts.hf_config, device, quantized)
-    size = torch.empty((), dtype=dtype).element_size()
-    return size, str(dtype).replace("torch.", ""), None if dense is None else torch.empty((), dtype=dense).element_size()
+    def size(d: torch.dtype) -> int:
+        return torch.empty((), dtype=d).element_size()
+
+    return size(dtype), str(dtype).replace("torch.", ""), None if dense is None else size(dense)
 
 
 # ---------------------------------------------------------------------- activations

@@ -21,7 +21,8 @@ from pagedllm.ops.dispatch import Op, chosen, reset
 from pagedllm.ops.moe import PackedExperts, fused_moe, pack_moe, select_experts
 from pagedllm.core.precision import dense_weight_dtype, float32_matmul_precision, matmul_precision
 
-__all__ = ["Op", "PackedExperts", "PackedLinear", "chosen", "dense_weight_dtype", "float32_matmul_precision", "fused_moe", "gather_rows", "matmul_precision",
+__all__ = ["Op", "PackedExperts", "PackedLinear", "chosen", "dense_weight_dtype", "float32_matmul_precision", "fused_moe",
+           "gather_rows", "matmul_precision",
            "gelu_and_mul", "pack_linear", "pack_moe", "reset", "rms_norm", "rotary_qkv", "select_experts", "silu_and_mul"]
 
 
@@ -75,9 +76,9 @@ def _rotary_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: 
 
 
 def _gather_rows(table: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """table[ids] for a table [rows, ...] and 1-D int64 ids [n] -> [n, ...] in `dtype`
-    (default: the table's; a bf16 embedding kept under float32 compute asks for float32)
-    (embedding and rotary-table lookups)."""
+    """table[ids] for a table [rows, ...] and 1-D int64 ids [n] -> [n, ...] in `dtype`, by
+    default the table's (embedding and rotary-table lookups; a bf16 embedding kept under
+    float32 compute asks for float32 rows)."""
     rows = table[ids]
     return rows if dtype is None else rows.to(dtype)
 
@@ -119,7 +120,8 @@ class _TorchLinear:
 
 def _pack_linear(weight: torch.Tensor) -> PackedLinear:
     """Prepare a dense weight [N, K] once, after loading, for repeated x @ W^T: returns a
-    `PackedLinear` (the reference keeps the weight as it is and calls F.linear).
+    `PackedLinear` (the reference keeps the weight as it is, or widened to float32 for
+    float32 compute, and calls F.linear).
 
     For a float32 weight, products must be float32 unless `float32_matmul_precision()` is
     "medium" at pack time (see pagedllm/core/precision.py); then bf16 products are allowed.

@@ -885,7 +885,8 @@ def gather_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     rows = table.shape[0]
     bf16 = table.dtype == torch.bfloat16
     kernel = _lib().pd_gather_rows_bf16 if bf16 else _lib().pd_gather_rows
-    if kernel(_ptr(table, "table", torch.bfloat16 if bf16 else torch.float32), rows, table.numel() // rows if rows else 0,
-              _ptr(ids, "ids", torch.int64), ids.shape[0], out.data_ptr()) != PD_OK:
+    table_ptr = _ptr(table, "table", torch.bfloat16 if bf16 else torch.float32)
+    if kernel(table_ptr, rows, table.numel() // rows if rows else 0, _ptr(ids, "ids", torch.int64), ids.shape[0],
+              out.data_ptr()) != PD_OK:
         raise IndexError(f"gather_rows: an id is outside [0, {rows})")
     return out
