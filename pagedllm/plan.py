@@ -149,6 +149,18 @@ def compute_dtype_bytes(facts: ModelFacts, settings: Settings) -> tuple[int, str
     return size(dtype), str(dtype).replace("torch.", ""), None if dense is None else size(dense)
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether a 16-bit checkpoint computed in float32 keeps its weights and KV cache in bf16
+    on this CPU (the CPU plugin's rule: native bf16 products, not turned off by
+    PAGEDLLM_FLOAT32_MATMUL_PRECISION=highest or PAGEDLLM_CPU_KERNELS=0); elsewhere both
+    are widened to float32."""
+    from pagedllm.core import envs
+    from pagedllm.ops.cpu import features, native
+
+    precision = (envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION") or "auto").strip().lower()
+    return features.detect().native_bf16 and precision != "highest" and native.switched_on()
+
+
 # ---------------------------------------------------------------------- activations
 
 
@@ -267,11 +279,12 @@ def make_plan(facts: ModelFacts, settings: Settings) -> Plan:
     else:
         fmt = weight_format(quant, facts.quant_config if quant == facts.checkpoint_quantization else {},
                             dtype_bytes, dtype_name)
-        if dense_bytes is not None:  # linear layers and embeddings keep the checkpoint's 16 bits
-            fmt = WeightFormat(f"bfloat16 weights, {dtype_name} activations", dense_bytes, dense_bytes)
+        if dense_bytes is not None:  # a 16-bit checkpoint computed in float32 (the CPU)
+            if not cpu_multiplies_bf16():
+                dense_bytes = None  # its linear weights and KV cache widened to float32
+            fmt = WeightFormat(f"bfloat16 weights, {dtype_name} activations", dense_bytes or dtype_bytes, 2)
         pieces = weight_pieces(cfg, facts.spec, moe, fmt, facts.tied)
     weights = stage_weight_bytes(pieces, facts.num_layers, tp, pp, settings.enable_expert_parallel, facts.tied)
-    # a 16-bit checkpoint computed in float32 keeps a bf16 cache where the CPU multiplies in bf16
     element = kv_element_size(settings.kv_cache_dtype, dense_bytes or dtype_bytes)
     held = tokens_held_per_seq(settings.max_model_len, facts.spec.kv_window, settings.max_num_batched_tokens,
                                settings.block_size)

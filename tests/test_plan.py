@@ -177,11 +177,31 @@ def test_the_engine_check_agrees_with_the_plan(facts):
 
 
 def test_the_cpu_rule(facts, monkeypatch):
+    from pagedllm import plan as plan_module
+
     monkeypatch.delenv("PAGEDLLM_CPU_KVCACHE_SPACE", raising=False)
     monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.setattr(plan_module, "cpu_multiplies_bf16", lambda: True)
     plan = make_plan(facts(LLAMA3_8B), Settings(max_model_len=8192, on_gpu=False))
     assert plan.binding.kv_available == 4 * GiB and plan.binding.reserve_bytes == 0
     assert plan.max_num_seqs_fit == 4  # 4 GiB / 1 GiB a sequence
+
+
+def test_a_bf16_checkpoint_on_the_cpu_counts_what_the_cpu_keeps(facts, monkeypatch):
+    """It computes in float32 over bf16 weights and a bf16 cache where the CPU multiplies in
+    bf16, and widens both to float32 where it does not (core/worker.py dense_weight_dtype)."""
+    from pagedllm import plan as plan_module
+
+    monkeypatch.delenv("PAGEDLLM_CPU_KVCACHE_SPACE", raising=False)
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    plans = {}
+    for multiplies in (True, False):
+        monkeypatch.setattr(plan_module, "cpu_multiplies_bf16", lambda: multiplies)
+        plans[multiplies] = make_plan(facts(LLAMA3_8B), Settings(max_model_len=8192, on_gpu=False))
+    assert plans[True].weights.linear_bytes == 2 and plans[True].kv_element_size == 2
+    assert plans[False].weights.linear_bytes == 4 and plans[False].kv_element_size == 4
+    assert plans[True].weights.dtype_bytes == plans[False].weights.dtype_bytes == 2, "the embedding stays bf16"
+    assert plans[False].max_num_seqs_fit == 2  # 4 GiB / 2 GiB a float32 sequence
 
 
 # ---------------------------------------------------------------------- DeepSeek-V3 (MLA)
