@@ -154,11 +154,12 @@ def cpu_multiplies_bf16() -> bool:
     on this CPU (the CPU plugin's rule: native bf16 products, not turned off by
     PAGEDLLM_FLOAT32_MATMUL_PRECISION=highest or PAGEDLLM_CPU_KERNELS=0); elsewhere both
     are widened to float32."""
-    from pagedllm.core import envs
-    from pagedllm.ops.cpu import features, native
+    from pagedllm.core import envs, precision
+    from pagedllm.ops.cpu import dense, native
 
-    precision = (envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION") or "auto").strip().lower()
-    return features.detect().native_bf16 and precision != "highest" and native.switched_on()
+    chosen, _ = precision.resolve(envs.get("PAGEDLLM_FLOAT32_MATMUL_PRECISION"), "auto", False, half_weights=True)
+    with precision.matmul_precision(chosen):
+        return dense.bf16_products_allowed() and native.switched_on()
 
 
 # ---------------------------------------------------------------------- activations

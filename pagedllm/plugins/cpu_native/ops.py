@@ -208,9 +208,15 @@ def pack_bf16_linear(weight: torch.Tensor) -> PackedDense | PackedBF16:
     weights meet float32 activations (`ops.dense_weight_dtype()`) on a CPU that should not
     multiply in bf16 (no native bf16 products, or "highest" precision asked for): float32
     panels then hold it exactly, as a float32 checkpoint's would be."""
-    if ops.dense_weight_dtype() is not None and not bf16_products_pay():
+    if _widens_bf16_weights():
         return PackedDense(weight.float())
     return PackedBF16(weight)
+
+
+def _widens_bf16_weights() -> bool:
+    """Whether bf16 weights being packed are a 16-bit checkpoint's under float32 compute
+    that this CPU should not multiply in bf16 (`pack_bf16_linear`)."""
+    return ops.dense_weight_dtype() is not None and not bf16_products_pay()
 
 
 class PackedExperts:
@@ -254,7 +260,7 @@ class PackedExpertsBF16:
 def pack_bf16_experts(w13: torch.Tensor, w2: torch.Tensor) -> PackedExperts | PackedExpertsBF16:
     """`pack_moe` of bf16 experts: as bf16, or widened for the float32 MoE kernel where
     `pack_bf16_linear` would widen a dense weight."""
-    if ops.dense_weight_dtype() is not None and not bf16_products_pay() and native.available():
+    if _widens_bf16_weights() and native.available():
         return PackedExperts(w13.float(), w2.float())
     return PackedExpertsBF16(w13, w2)
 
