@@ -97,10 +97,18 @@ def last_level_cache_bytes() -> int:
     return best
 
 
+# A ring never holds more bytes than this. A VM may report its host's whole last-level cache:
+# a 2-vCPU Xeon with AMX reported 480 MiB, while its reads slowed to memory speed past
+# 64-128 MiB (53 GiB/s to 64 MiB, 31 GiB/s from 256 MiB). Rings of twice 480 MiB took ~13 s
+# of a first start-up there (building and first-touching the copies), 256 MiB ~6 s, and
+# every SmolLM2 contest gave the same answer.
+MAX_RING_BYTES = 256 << 20
+
+
 def ring_bytes() -> int:
     """Bytes of weight a timing ring streams through: twice the last-level cache, at least
-    16 MiB where sysfs reports less (or nothing)."""
-    return max(16 << 20, 2 * last_level_cache_bytes())
+    16 MiB where sysfs reports less (or nothing), at most MAX_RING_BYTES."""
+    return max(16 << 20, min(MAX_RING_BYTES, 2 * last_level_cache_bytes()))
 
 
 def _ring(side: Side) -> list[Kernel]:

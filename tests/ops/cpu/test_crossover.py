@@ -96,6 +96,14 @@ def counted_copies(calls: list[str], nbytes: int) -> crossover.Contender:
     return crossover.Contender(named("serving"), lambda: named(f"copy{next(made)}"), nbytes)
 
 
+@pytest.mark.parametrize("reported_llc, ring", [(0, 16 << 20), (32 << 20, 64 << 20), (480 << 20, 256 << 20)])
+def test_a_ring_is_twice_the_reported_cache_within_bounds(monkeypatch, reported_llc, ring):
+    """Twice the last-level cache, at least 16 MiB, and at most MAX_RING_BYTES: a VM that reports
+    its host's 480 MiB cache must not build (and first-touch) ~1 GiB of weight copies per side."""
+    monkeypatch.setattr(crossover, "last_level_cache_bytes", lambda: reported_llc)
+    assert crossover.ring_bytes() == ring
+
+
 def test_a_timing_streams_through_copies_holding_twice_the_last_level_cache(monkeypatch):
     """Weights come from memory in a step: each side is timed over a ring of copies whose
     bytes add up to ring_bytes(), the serving kernel among them, every one called."""
