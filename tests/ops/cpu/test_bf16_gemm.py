@@ -25,10 +25,12 @@ def _expected(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tu
 
 
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 32, 16), (3, 33, 17), (8, 64, 48), (9, 100, 50), (13, 576, 960),
-                                          (17, 95, 33), (33, 1536, 97), (64, 31, 1), (130, 200, 130)])
+                                          (17, 95, 33), (33, 1536, 97), (64, 31, 1), (130, 200, 130),
+                                          (300, 64, 96)])
 def test_bf16_linear_matches_float64_on_rounded_inputs(m, k, n):
     """Edges everywhere: rows not a multiple of the 8-row (16 on AMX) block, columns not of a
-    strip or a three-strip chunk, K not of a 32-wide tile, one-column outputs."""
+    strip or a three-strip chunk, K not of a 32-wide tile, one-column outputs, rows over several
+    128-row chunks (whole float32 blocks stored straight from the tiles)."""
     gen = torch.Generator().manual_seed(m * 10000 + k * 10 + n)
     w, x, bias = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen), torch.randn(n, generator=gen)
     packed = native.pack_bf16_tiles(w)

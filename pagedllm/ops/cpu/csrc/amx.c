@@ -17,8 +17,9 @@
  * of 16 x 32 bf16, zero-padded: tile (nb, kb) row r holds, for n = 0..15, the pair
  * W[16nb + n][32kb + 2r], W[16nb + n][32kb + 2r + 1] (the "VNNI" pairing TDPBF16PS
  * reads), so the 16-column strip of blocks nb is one contiguous stream of 1 KiB tiles.
- * Work: each thread takes strips two at a time (32 columns) and, for every 32 rows of x,
- * keeps a 32 x 32 block of y in four accumulator tiles while k runs over the strips.
+ * Work: each thread takes strips two at a time (32 columns) and, for every 32 rows of x
+ * (in chunks of AMX_ROW_CHUNK rows), keeps a 32 x 32 block of y in four accumulator tiles
+ * while k runs over the strips.
  * Sums follow k in order within a row, so results differ from a float32 GEMM on the
  * bf16-rounded inputs only by the order of float32 additions inside a 32-wide step.
  */
@@ -35,6 +36,7 @@
 
 #define AMX_TILE_BF16 512 /* bf16 per weight tile: 16 rows of 32 */
 #define AMX_PREFETCH 4    /* weight tiles fetched ahead (2, 8 or 16, or into L2, measured no better) */
+#define AMX_ROW_CHUNK 128 /* rows of x a thread's strips pass over before the next rows (64-256 alike) */
 
 #if PD_AMX
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -69,7 +71,7 @@ static void amx_configure(void) {
 /* The 32 x 32 (or smaller: two_m / two_n false drop the second half) block of y at rows
  * m0.., strips b0 and b1, summed over KB k tiles; written to y with bias, rows < M and
  * columns < N only. */
-static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n, const uint16_t *xa, int64_t Kp,
+static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n, int fetch, const uint16_t *xa, int64_t Kp,
                                                             int64_t KB, const uint16_t *b0, const uint16_t *b1,
                                                             int64_t m0, int64_t M, int64_t n0, int64_t N,
                                                             const float *bias, void *y, int y_bf16, int64_t ldy,
@@ -81,11 +83,13 @@ static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n
     const uint16_t *a0 = xa + m0 * Kp, *a1 = a0 + 16 * Kp;
     for (int64_t kb = 0; kb < KB; kb++) {
         /* the tile loads wait for memory (a tile register is not renamed, so the next
-         * load cannot start before the product reading it ends): fetch ahead */
-        for (int l = 0; l < 16; l++) {
-            _mm_prefetch((const char *)(b0 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
-            if (two_n) _mm_prefetch((const char *)(b1 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
-        }
+         * load cannot start before the product reading it ends): fetch ahead, for the
+         * first row block of a chunk only (the later ones find the strips in cache) */
+        if (fetch)
+            for (int l = 0; l < 16; l++) {
+                _mm_prefetch((const char *)(b0 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
+                if (two_n) _mm_prefetch((const char *)(b1 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
+            }
         _tile_loadd(4, a0 + kb * 32, Kp * 2);
         _tile_loadd(6, b0 + kb * AMX_TILE_BF16, 64);
         _tile_dpbf16ps(0, 4, 6);
@@ -98,6 +102,15 @@ static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n
             _tile_dpbf16ps(2, 5, 6);
             if (two_n) _tile_dpbf16ps(3, 5, 7);
         }
+    }
+    if (two_m && two_n && bias == NULL && !y_bf16 && m0 + 32 <= M && n0 + 32 <= N) {
+        /* a whole float32 block without bias: the tiles go straight to y */
+        float *dst = (float *)y + m0 * ldy + n0;
+        _tile_stored(0, dst, ldy * 4);
+        _tile_stored(1, dst + 16, ldy * 4);
+        _tile_stored(2, dst + 16 * ldy, ldy * 4);
+        _tile_stored(3, dst + 16 * ldy + 16, ldy * 4);
+        return;
     }
     _tile_stored(0, cbuf, 128);
     if (two_n) _tile_stored(1, cbuf + 16, 128);
@@ -193,17 +206,30 @@ int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, 
     {
         float cbuf[1024] __attribute__((aligned(64)));
         amx_configure();
-#pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            int64_t nb = 2 * p;
-            int two_n = nb + 1 < NB;
-            const uint16_t *b0 = wp + nb * KB * AMX_TILE_BF16, *b1 = b0 + KB * AMX_TILE_BF16;
-            for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-                int two_m = m0 + 16 < Mp;
-                if (two_m && two_n) amx_block(1, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
-                else if (two_m) amx_block(1, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
-                else if (two_n) amx_block(0, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
-                else amx_block(0, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+        /* rows in chunks whose bf16 copy stays in L2 while a thread's strips pass over it
+         * (all rows at once re-read a 1024-row prefill's activations from L3 for every
+         * strip pair: 1.3x slower on SmolLM2's shapes, 2-core Xeon with AMX); the static
+         * schedule gives a thread the same strips in every chunk, so no barrier between */
+        for (int64_t mc = 0; mc < Mp; mc += AMX_ROW_CHUNK) {
+            int64_t mend = mc + AMX_ROW_CHUNK < Mp ? mc + AMX_ROW_CHUNK : Mp;
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < pairs; p++) {
+                int64_t nb = 2 * p;
+                int two_n = nb + 1 < NB;
+                const uint16_t *b0 = wp + nb * KB * AMX_TILE_BF16, *b1 = b0 + KB * AMX_TILE_BF16;
+                for (int64_t m0 = mc; m0 < mend; m0 += 32) {
+                    int two_m = m0 + 16 < Mp, fetch = m0 == mc;
+                    if (two_m && two_n && fetch)
+                        amx_block(1, 1, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                    else if (two_m && two_n)
+                        amx_block(1, 1, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                    else if (two_m)
+                        amx_block(1, 0, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                    else if (two_n)
+                        amx_block(0, 1, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                    else
+                        amx_block(0, 0, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                }
             }
         }
         _tile_release();
