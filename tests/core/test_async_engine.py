@@ -137,8 +137,8 @@ def test_an_idle_engine_lets_a_burst_finish_arriving(tiny_model_dir: Callable[..
     """Six requests handed over ~1 ms apart reach one first step: an idle engine lets the
     event loop turn until rounds of turns bring nothing new (at most SETTLE_LIMIT_S),
     instead of taking the cores for the first request alone."""
-    sizes = _first_step_sizes(monkeypatch)
     engine = AsyncLLMEngine(LLMEngine(_config(str(tiny_model_dir("llama")))))
+    sizes = _first_step_sizes(monkeypatch)  # after the start-up warm-up's steps
     try:
         _burst(engine, 6, work_s=0.001)
     finally:
@@ -161,8 +161,8 @@ def test_a_busy_event_loop_delays_the_first_step_by_the_limit_only(tiny_model_di
         starts.append(time.monotonic())
         return step(self)
 
-    monkeypatch.setattr(LLMEngine, "step", timed_step)
     engine = AsyncLLMEngine(LLMEngine(_config(str(tiny_model_dir("llama")))))
+    monkeypatch.setattr(LLMEngine, "step", timed_step)  # after the start-up warm-up's steps
     try:
         begun = time.monotonic()
         _burst(engine, 1, work_s=0.0, block_s=1.0)
@@ -171,3 +171,59 @@ def test_a_busy_event_loop_delays_the_first_step_by_the_limit_only(tiny_model_di
     limit = engine_module.SETTLE_LIMIT_S
     assert starts and starts[0] - begun < 0.5, \
         f"the first step began {starts[0] - begun:.2f} s in, waiting on a blocked loop (limit {limit} s)"
+
+
+def test_warm_up_prefills_one_budget_of_dummy_prompts_and_leaves_no_trace(tiny_model_dir: Callable[..., Any],
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start-up warm-up is one prefill step of the dummy prompts together; afterwards no
+    request, block or counter remains, and a request gets the tokens a fresh engine gives."""
+    warmed = LLMEngine(_config(str(tiny_model_dir("llama"))))
+    fresh = LLMEngine(_config(str(tiny_model_dir("llama"))))
+    steps: list[int] = []
+    step = LLMEngine.step
+
+    def counted_step(self: LLMEngine) -> Any:
+        if self is warmed:
+            steps.append(len(self.scheduler.waiting) + len(self.scheduler.running))
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "step", counted_step)
+    free_before = warmed.block_manager.num_free_blocks
+    assert warmed.warm_up(256, prompt_len=32) == 256
+    assert steps == [8], f"the warm-up ran steps over {steps} requests, not one step of its 8 prompts"
+    assert not warmed.parents and not warmed.has_unfinished_requests()
+    assert warmed.block_manager.num_free_blocks == free_before, "the warm-up's blocks were not given back"
+    assert warmed.stats.num_steps == 0 and warmed.stats.num_prompt_tokens == 0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outputs = []
+    for engine in (warmed, fresh):
+        engine.add_request("r", None, params, prompt_token_ids=[3, 1, 4, 1, 5, 9, 2, 6])
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    outputs.append(list(out.outputs[0].token_ids))
+    assert outputs[0] == outputs[1], "a request after the warm-up got other tokens than on a fresh engine"
+
+
+def test_the_engine_thread_warms_up_before_it_serves(tiny_model_dir: Callable[..., Any],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    order: list[tuple[str, threading.Thread]] = []
+    warm_up, step = LLMEngine.warm_up, LLMEngine.step
+
+    def recording_warm_up(self: LLMEngine, *args: Any, **kwargs: Any) -> int:
+        order.append(("warm_up", threading.current_thread()))
+        return warm_up(self, *args, **kwargs)
+
+    def recording_step(self: LLMEngine) -> Any:
+        order.append(("step", threading.current_thread()))
+        return step(self)
+
+    monkeypatch.setattr(LLMEngine, "warm_up", recording_warm_up)
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
+    engine = AsyncLLMEngine.from_config(_config(str(tiny_model_dir("llama"))))
+    try:
+        assert len(_generate(engine, [5, 6, 7])) == 4
+    finally:
+        engine.shutdown()
+    assert order and order[0][0] == "warm_up", "the engine stepped a request before its warm-up"
+    assert {thread for _, thread in order} == {order[0][1]}, "the warm-up ran on another thread than the steps"
