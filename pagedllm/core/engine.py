@@ -89,7 +89,6 @@ class LLMEngine:
         # (vision-language) config keeps them under its text part
         text_config = source.text_config
         self.max_model_len, budget, self.spec_config = engine_limits(config, source, registry)
-        self.token_budget = budget
         self.payoff = PayoffGuard(self.spec_config.num_speculative_tokens if self.spec_config else 0)
         self._propose_s = 0.0
         # ranks in other processes open the same model (the default one by its path)
@@ -203,8 +202,9 @@ class LLMEngine:
         83,000 page faults (2-vCPU Xeon VM) and 215-536 ms against 205-231 offline, and that step
         is the first wave's time to first token. vLLM runs a dummy batch at start-up for the same
         reason. The prompts' blocks go back to the cache, and the counters start from zero."""
-        seqs = max(1, min(self.config.scheduler.max_num_seqs, num_tokens // prompt_len))
-        prompt_len = max(1, min(prompt_len, self.max_model_len - 1, self.token_budget // seqs))
+        limits = self.scheduler
+        seqs = max(1, min(limits.max_num_seqs, num_tokens // prompt_len))
+        prompt_len = max(1, min(prompt_len, self.max_model_len - 1, limits.max_num_batched_tokens // seqs))
         params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         ids = [self.add_request(None, None, params, [(7 * (r * prompt_len + i) + 1) % self.vocab_size
                                                      for i in range(prompt_len)]) for r in range(seqs)]

@@ -179,15 +179,7 @@ def test_warm_up_prefills_one_budget_of_dummy_prompts_and_leaves_no_trace(tiny_m
     request, block or counter remains, and a request gets the tokens a fresh engine gives."""
     warmed = LLMEngine(_config(str(tiny_model_dir("llama"))))
     fresh = LLMEngine(_config(str(tiny_model_dir("llama"))))
-    steps: list[int] = []
-    step = LLMEngine.step
-
-    def counted_step(self: LLMEngine) -> Any:
-        if self is warmed:
-            steps.append(len(self.scheduler.waiting) + len(self.scheduler.running))
-        return step(self)
-
-    monkeypatch.setattr(LLMEngine, "step", counted_step)
+    steps = _first_step_sizes(monkeypatch)  # only `warmed` steps before the assertion on them
     free_before = warmed.block_manager.num_free_blocks
     assert warmed.warm_up(256, prompt_len=32) == 256
     assert steps == [8], f"the warm-up ran steps over {steps} requests, not one step of its 8 prompts"
