@@ -17,7 +17,8 @@ Q4_1 layer took ~130 us per 1-row call after an eviction against ~15-20 us strea
 25-30 us after merely sleeping 2 ms), which buried the kernels' differences in noise and
 chose torch's int4 kernel where VNNI was 1.5x faster in the step. So each side is a
 `Contender` that can build copies of itself on its own copies of the weight, and a timing
-calls a ring of copies holding twice the last-level cache together.
+walks a ring of copies holding the last-level cache together, a segment per timed pass, in
+turn with the other side's ring.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ Kernel = Callable[[torch.Tensor], torch.Tensor]
 
 # Alternating passes over both rings per candidate row count (at least; more within the
 # time budget, up to twice as many).
-PASSES = 3
+PASSES = 4
 
 # After the first alternating round, a side this many times faster than the other has won
 # that row count: the further rounds are for close calls. On a 2-core Zen 4, SmolLM2's
@@ -68,7 +69,7 @@ class Contender:
     """One side of a crossover. `kernel` is the one that will serve; `copy()` builds another
     like it on its own copy of the weight (None for a kernel that reads no weight, e.g. in
     tests); `nbytes` is what one call reads of its weight, which sets how many copies make
-    a ring of twice the last-level cache."""
+    a ring of the last-level cache."""
 
     kernel: Kernel
     copy: Callable[[], Kernel] | None = None
@@ -100,15 +101,16 @@ def last_level_cache_bytes() -> int:
 # A ring never holds more bytes than this. A VM may report its host's whole last-level cache:
 # a 2-vCPU Xeon with AMX reported 480 MiB, while its reads slowed to memory speed past
 # 64-128 MiB (53 GiB/s to 64 MiB, 31 GiB/s from 256 MiB). Rings of twice 480 MiB took ~13 s
-# of a first start-up there (building and first-touching the copies), 256 MiB ~6 s, and
-# every SmolLM2 contest gave the same answer.
-MAX_RING_BYTES = 256 << 20
+# of a first start-up there (building and first-touching the copies), 256 MiB ~6 s; every
+# SmolLM2 contest gave the same answer at 960, 256 and 128 MiB.
+MAX_RING_BYTES = 128 << 20
 
 
 def ring_bytes() -> int:
-    """Bytes of weight a timing ring streams through: twice the last-level cache, at least
-    16 MiB where sysfs reports less (or nothing), at most MAX_RING_BYTES."""
-    return max(16 << 20, min(MAX_RING_BYTES, 2 * last_level_cache_bytes()))
+    """Bytes of weight in one side's timing ring: the last-level cache, at least 16 MiB where
+    sysfs reports less (or nothing), at most MAX_RING_BYTES. The two sides' rings are walked
+    in turn, so between two calls of one copy the walks read both rings: twice the cache."""
+    return max(16 << 20, min(MAX_RING_BYTES, last_level_cache_bytes()))
 
 
 def _ring(side: Side) -> list[Kernel]:
@@ -119,28 +121,44 @@ def _ring(side: Side) -> list[Kernel]:
     return [side.kernel] + side.copies
 
 
-def _pass(ring: list[Kernel], x: torch.Tensor) -> float:
-    start = time.perf_counter()
-    for kernel in ring:
-        kernel(x)
-    return (time.perf_counter() - start) / len(ring)
+# A timed pass calls the next 1/SEGMENTS of a side's ring, going on from where that side's
+# last pass stopped. Every copy a pass calls was last called a whole walk of both rings ago
+# (twice the last-level cache), so a segment meets weights from memory as a whole ring does,
+# at a fraction of the cost: full-ring passes (a warm-up and three rounds per row count)
+# were ~4.6 s of a first start-up on a 2-vCPU Xeon with AMX.
+SEGMENTS = 4
 
 
-def _time_both(small_ring: list[Kernel], large_ring: list[Kernel], x: torch.Tensor,
-               budget_s: float) -> tuple[float, float]:
+class _Walk:
+    """One side's kernels called in ring order, a segment per pass."""
+
+    def __init__(self, ring: list[Kernel]) -> None:
+        self.ring, self.at = ring, 0
+        self.size = -(-len(ring) // SEGMENTS)
+
+    def timed_pass(self, x: torch.Tensor) -> float:
+        """Seconds per call over the next segment."""
+        start = time.perf_counter()
+        for i in range(self.at, self.at + self.size):
+            self.ring[i % len(self.ring)](x)
+        self.at = (self.at + self.size) % len(self.ring)
+        return (time.perf_counter() - start) / self.size
+
+
+def _time_both(small: _Walk, large: _Walk, x: torch.Tensor, budget_s: float) -> tuple[float, float]:
     """Seconds per call of each side: the best of alternating passes over the two rings
     (after a warm-up pass of each; one round when its gap is DECISIVE), so that both see
     the same moments of a machine whose speed drifts by +-20% within minutes. Timing one
     side's passes and then the other's let a drift decide: SmolLM2's 960 x 576 layer once
     got the VNNI kernel up to 64 rows where the bf16 GEMM was 1.2x faster from 32 (and made
     a step 1.08x slower)."""
-    _pass(small_ring, x), _pass(large_ring, x)
+    small.timed_pass(x), large.timed_pass(x)
     best_small = best_large = float("inf")
     spent, rounds = 0.0, 0
     while rounds < PASSES or (spent < budget_s and rounds < 2 * PASSES):
-        small, large = _pass(small_ring, x), _pass(large_ring, x)
-        best_small, best_large = min(best_small, small), min(best_large, large)
-        spent += (small * len(small_ring) + large * len(large_ring))
+        small_s, large_s = small.timed_pass(x), large.timed_pass(x)
+        best_small, best_large = min(best_small, small_s), min(best_large, large_s)
+        spent += small_s * small.size + large_s * large.size
         rounds += 1
         if rounds == 1 and max(best_small, best_large) >= DECISIVE * min(best_small, best_large):
             break
@@ -153,11 +171,11 @@ def measure(small: Side, large: Side, k: int, candidates: tuple[int, ...] = CAND
     candidates in a row (or at the last one), NEVER if it never is; both kernels take a
     float32 [rows, k] input. A plain kernel (no Contender) is timed on its one weight."""
     gen = torch.Generator().manual_seed(0)
-    small_ring, large_ring = _ring(small), _ring(large)
+    small_walk, large_walk = _Walk(_ring(small)), _Walk(_ring(large))
     won = []
     for rows in candidates:
         x = torch.randn(rows, k, generator=gen)
-        small_s, large_s = _time_both(small_ring, large_ring, x, budget_s)
+        small_s, large_s = _time_both(small_walk, large_walk, x, budget_s)
         won.append(large_s < small_s)
         if len(won) >= 2 and won[-1] and won[-2]:
             return candidates[len(won) - 2]
@@ -175,7 +193,7 @@ def _machine_key() -> str:
     flags = hashlib.sha256(" ".join(sorted(cpu.flags)).encode()).hexdigest()[:12]
     # how a figure was measured (alternating passes over rings of this many bytes): a
     # change re-measures
-    return f"{cpu.model}|{flags}|threads={torch.get_num_threads()}|alt-stream={ring_bytes() >> 20}M"
+    return f"{cpu.model}|{flags}|threads={torch.get_num_threads()}|walk={ring_bytes() >> 20}M"
 
 
 def _load() -> dict[str, int]:

@@ -84,11 +84,11 @@ def test_unreadable_cache_is_ignored(fresh_cache):
     assert crossover.rows_from("pair|1x1", sleeper(0, 0), sleeper(0, 1e-3), 4) == crossover.NEVER
 
 
-def counted_copies(calls: list[str], nbytes: int) -> crossover.Contender:
-    """A contender whose kernel and each of its copies log their name when called."""
+def counted_copies(calls: list[str], nbytes: int, side: str = "") -> crossover.Contender:
+    """A contender whose kernel and each of its copies log their name (after `side`) when called."""
     def named(name: str):
         def kernel(x: torch.Tensor) -> torch.Tensor:
-            calls.append(name)
+            calls.append(side + name)
             return x
         return kernel
 
@@ -96,34 +96,54 @@ def counted_copies(calls: list[str], nbytes: int) -> crossover.Contender:
     return crossover.Contender(named("serving"), lambda: named(f"copy{next(made)}"), nbytes)
 
 
-@pytest.mark.parametrize("reported_llc, ring", [(0, 16 << 20), (32 << 20, 64 << 20), (480 << 20, 256 << 20)])
-def test_a_ring_is_twice_the_reported_cache_within_bounds(monkeypatch, reported_llc, ring):
-    """Twice the last-level cache, at least 16 MiB, and at most MAX_RING_BYTES: a VM that reports
-    its host's 480 MiB cache must not build (and first-touch) ~1 GiB of weight copies per side."""
+@pytest.mark.parametrize("reported_llc, ring", [(0, 16 << 20), (32 << 20, 32 << 20), (480 << 20, 128 << 20)])
+def test_a_ring_is_the_reported_cache_within_bounds(monkeypatch, reported_llc, ring):
+    """The last-level cache, at least 16 MiB, and at most MAX_RING_BYTES: a VM that reports its
+    host's 480 MiB cache must not build (and first-touch) ~1 GiB of weight copies per side."""
     monkeypatch.setattr(crossover, "last_level_cache_bytes", lambda: reported_llc)
     assert crossover.ring_bytes() == ring
 
 
-def test_a_timing_streams_through_copies_holding_twice_the_last_level_cache(monkeypatch):
+def test_a_timing_walks_rings_of_copies_holding_the_last_level_cache(monkeypatch):
     """Weights come from memory in a step: each side is timed over a ring of copies whose
-    bytes add up to ring_bytes(), the serving kernel among them, every one called."""
+    bytes add up to ring_bytes(), the serving kernel among them, every one called, in ring
+    order, a segment per pass, each pass going on where that side's last one stopped (so a
+    copy's calls lie a whole walk of both rings apart)."""
     monkeypatch.setattr(crossover, "ring_bytes", lambda: 10_000)
     monkeypatch.setattr(crossover, "DECISIVE", float("inf"))  # two no-op kernels: never a decisive gap
     small_calls, large_calls = [], []
     crossover.measure(counted_copies(small_calls, 1_000), counted_copies(large_calls, 2_500), k=4,
                       candidates=(1, 2), budget_s=0)
-    assert set(small_calls) == {"serving"} | {f"copy{i}" for i in range(1, 10)}, "10 x 1000 bytes: 9 copies"
-    assert set(large_calls) == {"serving"} | {f"copy{i}" for i in range(1, 4)}, "4 x 2500 bytes: 3 copies"
-    # every copy is called equally often: a warm-up pass and at least two timed passes per row count
-    assert len(set(small_calls.count(name) for name in set(small_calls))) == 1 and small_calls.count("serving") >= 6
+    small_ring = ["serving"] + [f"copy{i}" for i in range(1, 10)]  # 10 x 1000 bytes
+    large_ring = ["serving"] + [f"copy{i}" for i in range(1, 4)]  # 4 x 2500 bytes
+    # per row count a warm-up pass and PASSES timed ones; a pass calls a quarter of the ring
+    small_passes = 2 * (1 + crossover.PASSES) * -(-10 // crossover.SEGMENTS)
+    assert small_calls == [small_ring[i % 10] for i in range(small_passes)], small_calls
+    assert large_calls == [large_ring[i % 4] for i in range(2 * (1 + crossover.PASSES))], large_calls
+
+
+def test_a_pass_times_one_segment_of_each_ring_in_turn(monkeypatch):
+    """The sides alternate segment by segment: a drift meets both, and between two calls of one
+    copy the walks have read the rest of both rings."""
+    monkeypatch.setattr(crossover, "ring_bytes", lambda: 8_000)
+    monkeypatch.setattr(crossover, "SEGMENTS", 4)
+    monkeypatch.setattr(crossover, "DECISIVE", float("inf"))
+    calls = []
+    crossover.measure(counted_copies(calls, 1_000, "small:"), counted_copies(calls, 1_000, "large:"), k=4,
+                      candidates=(1,), budget_s=0)
+    # rings of 8 copies: each pass calls two copies of one ring, then two of the other
+    assert calls[:8] == ["small:serving", "small:copy1", "large:serving", "large:copy1",
+                         "small:copy2", "small:copy3", "large:copy2", "large:copy3"], calls
+    assert len(calls) == 2 * 2 * (1 + crossover.PASSES)
 
 
 def test_a_weight_past_the_ring_size_is_timed_alone_and_copies_are_capped(monkeypatch):
     monkeypatch.setattr(crossover, "ring_bytes", lambda: 10_000)
     big, tiny = [], []
-    crossover.measure(counted_copies(big, 50_000), counted_copies(tiny, 1), k=4, candidates=(1,), budget_s=0)
+    tiny_side = counted_copies(tiny, 1)
+    crossover.measure(counted_copies(big, 50_000), tiny_side, k=4, candidates=(1,), budget_s=0)
     assert set(big) == {"serving"}, "a weight larger than the ring streams from memory by itself"
-    assert len(set(tiny)) == crossover.MAX_COPIES
+    assert len(tiny_side.copies) + 1 == crossover.MAX_COPIES
 
 
 def test_a_contender_builds_its_copies_once_for_every_contest_it_enters(monkeypatch):
