@@ -103,6 +103,11 @@ class PackedLinear(Protocol):
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype."""
 
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """`silu_and_mul(self(x, bias))` (a gate/up weight: [gate | up]) in one pass, where the
+        kernel fuses the activation into the product for this batch; None where it does
+        not (the caller then runs the two). A fused result equals the two run apart."""
+
 
 class _TorchLinear:
     kind = "torch"
@@ -116,6 +121,9 @@ class _TorchLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return F.linear(x, self.weight, bias)
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+        return None
 
 
 def _pack_linear(weight: torch.Tensor) -> PackedLinear:

@@ -44,6 +44,13 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """Return x @ W^T (+ bias) for x of shape [..., input_size]."""
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        """For a gate/up layer (output [gate | up]): silu(gate) * up of `apply`'s result,
+        computed in one pass where the method's kernel fuses the activation (it then never
+        writes the product), else None and the layer runs `apply` and the activation op.
+        A fused result must equal the two run apart."""
+        return None
+
 
 class EmbeddingMethod(ABC):
     """How a vocabulary matrix [vocab, hidden] is stored and used: rows are looked up for

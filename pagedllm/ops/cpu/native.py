@@ -42,7 +42,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # linked into one library
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 12  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 13  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-fno-math-errno"]  # compiling each source
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 
@@ -86,6 +86,7 @@ _SIGNATURES = {
     "pd_amx_packed_size": (_i64, [_i64, _i64]),
     "pd_amx_pack": (None, [_p, _i64, _i64, _p]),
     "pd_amx_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
+    "pd_amx_linear_silu": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
     "pd_has_bf16dot": (_i32, []),
     "pd_bf16dot_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
     "pd_has_vnni": (_i32, []),
@@ -669,6 +670,38 @@ def bf16_tiles_linear(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None =
     if rc != PD_OK:
         raise MemoryError(f"bf16_tiles_linear: out of memory rounding {m}x{w.k} activations to bf16")
     return out.view(*lead, w.n)
+
+
+def bf16_tiles_silu_fits(x: torch.Tensor, w: Bf16Tiles) -> bool:
+    """Whether `bf16_tiles_silu_and_mul` takes x and w: AMX tiles in this process, float32 x,
+    and gate and up halves of whole 16-column strips."""
+    return x.dtype == torch.float32 and w.n % 32 == 0 and amx_available()
+
+
+def bf16_tiles_silu_and_mul(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """silu(g) * u for [g | u] = x @ W^T (+ bias), W stacking the gate's N / 2 rows over the up
+    projection's: x float32 [..., K] -> float32 [..., N / 2] in one pass on AMX tiles, equal
+    to `bf16_tiles_linear` followed by `silu_mul` without writing the [..., N] product."""
+    if not bf16_tiles_silu_fits(x, w) or x.device.type != "cpu" or x.shape[-1] != w.k:
+        raise ValueError(f"x: expected a CPU float32 [..., {w.k}] and AMX tiles of an even number of 16-column "
+                         f"strips per half, got {x.device} {x.dtype} {list(x.shape)}, N={w.n} "
+                         "(check bf16_tiles_silu_fits() first)")
+    lead, half = x.shape[:-1], w.n // 2
+    x2 = _rows(x, w.k)
+    if bias is not None:
+        if bias.shape != (w.n,):
+            raise ValueError(f"bias: expected [{w.n}], got {list(bias.shape)}")
+        bias = bias.float()
+    b = None if bias is None else _ptr(bias, "bias", torch.float32)
+    m = x2.shape[0]
+    out = torch.empty(m, half, dtype=torch.float32)
+    rc = _lib().pd_amx_linear_silu(x2.data_ptr(), 0, x2.stride(0), m, w.k, w.tiles.data_ptr(), w.n, b,
+                                   out.data_ptr(), half)
+    if rc == PD_ENOMEM:
+        raise MemoryError(f"bf16_tiles_silu_and_mul: out of memory rounding {m}x{w.k} activations to bf16")
+    if rc != PD_OK:
+        raise RuntimeError(f"bf16_tiles_silu_and_mul: the kernel refused (rc {rc})")
+    return out.view(*lead, half)
 
 
 @dataclass(frozen=True)

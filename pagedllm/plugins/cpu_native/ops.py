@@ -170,10 +170,16 @@ class PackedDense:
     def nbytes(self) -> int:
         return min(_nbytes(t) for t in (self.packed, self.bf16) if t is not None)
 
+    def _bf16_serves(self, x: torch.Tensor) -> bool:
+        return self.bf16 is not None and (self.packed is None or x.numel() >= self.bf16_from * x.shape[-1])
+
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.bf16 is not None and (self.packed is None or x.numel() >= self.bf16_from * x.shape[-1]):
+        if self._bf16_serves(x):
             return dense.linear_bf16(x, self.bf16, bias)
         return dense.linear(x, self.packed, bias)
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        return dense.linear_bf16_silu_and_mul(x, self.bf16, bias) if self._bf16_serves(x) else None
 
 
 def _f32_kernel(packed: native.DenseWeight | torch.Tensor) -> crossover.Kernel:
@@ -201,6 +207,9 @@ class PackedBF16:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         return dense.linear_bf16(x, self.bf16, bias)
+
+    def silu_and_mul(self, x: torch.Tensor, bias: torch.Tensor | None) -> None:
+        return None  # bf16 activations: the product is rounded to bf16 before the activation
 
 
 def pack_bf16_linear(weight: torch.Tensor) -> PackedDense | PackedBF16:

@@ -159,6 +159,10 @@ class UnquantizedLinearMethod(LinearMethod):
         packed = layer.__dict__.get("packed")  # set after loading
         return packed(x, bias) if packed is not None else F.linear(x, layer.weight, bias)
 
+    def apply_silu_and_mul(self, layer, x, bias):
+        packed = layer.__dict__.get("packed")
+        return packed.silu_and_mul(x, bias) if packed is not None else None
+
 
 PARALLEL_MODES = (None, "column", "row")
 
@@ -268,6 +272,17 @@ class Linear(nn.Module):
             return self.method.apply(self, x, self.bias)
         y = self.tp.all_reduce(self.method.apply(self, x, None))
         return y if self.bias is None else y + self.bias
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of this gate/up layer's output [gate | up] (each column-parallel
+        rank holds its own gate and up columns): fused into the matmul where the method's
+        kernel does that for this batch (`LinearMethod.apply_silu_and_mul`), else the
+        layer's output through `ops.silu_and_mul`."""
+        if self.parallel != "row":
+            fused = self.method.apply_silu_and_mul(self, x, self.bias)
+            if fused is not None:
+                return fused
+        return ops.silu_and_mul(self(x))
 
 
 def attention_projections(ctx: ModelContext, num_heads: int, num_kv_heads: int, head_dim: int, prefix: str,

@@ -144,7 +144,7 @@ class LlamaMLP(nn.Module):
             raise NotImplementedError(f"hidden_act {act!r} is not supported by the Llama family (silu only)")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x))
 
 
 class LlamaDecoderLayer(nn.Module):

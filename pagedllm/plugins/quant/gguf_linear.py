@@ -358,6 +358,12 @@ class GGUFLinearMethod(LinearMethod):
         dense = (parts[0] if len(parts) == 1 else torch.cat(parts)).to(x.dtype)
         return F.linear(x, dense, bias)
 
+    def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        # batches the dense copy serves: its kernel may fuse the activation
+        if layer.gguf_dense is None or _takes_native(layer, x, x.numel() // layer.gguf_input_size):
+            return None
+        return layer.gguf_dense.silu_and_mul(x, bias)
+
 
 def _native_linear(layer: nn.Module, x2: torch.Tensor, gemm: bool | None = None) -> torch.Tensor:
     """x2 [rows, K] float32 @ W^T from the repacked block groups; `gemm` (default: from

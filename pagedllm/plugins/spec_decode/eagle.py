@@ -148,7 +148,7 @@ class HeadLayer(nn.Module):
         """x: the attention's input, already normed where the layer norms it."""
         q, k, v = ops.rotary_qkv(self.qkv_proj(x), self.heads, self.kv_heads, self.head_dim, *rope)
         x, residual = self.post_attention_layernorm(self.o_proj(self.attn(q, k, v, attn)), residual)
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))), residual
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x)), residual
 
 
 class EagleHead(nn.Module):

@@ -87,3 +87,34 @@ def test_rejects_wrong_inputs():
         native.bf16_tiles_linear(torch.randn(2, 16), packed, torch.randn(7))
     with pytest.raises(ValueError, match=r"weight: expected \[N, K\]"):
         native.pack_bf16_tiles(torch.randn(8))
+
+
+@pytest.mark.skipif(not native.amx_available(), reason="the fused gate/up kernel runs on AMX tiles only")
+@pytest.mark.parametrize(("m", "k", "half"), [(1, 64, 16), (5, 33, 32), (16, 576, 48), (17, 100, 16), (32, 40, 64),
+                                             (130, 576, 1536 // 8), (300, 64, 96)])
+def test_fused_silu_and_mul_equals_the_linear_then_the_activation(m, k, half):
+    """pd_amx_linear_silu pairs gate strip p with up strip p: its result must be exactly
+    silu_mul(bf16_tiles_linear(...)), with and without a bias, for row counts that leave a
+    16-row half block and a partial one, and rows over several 128-row chunks."""
+    gen = torch.Generator().manual_seed(m * 1000 + k + half)
+    w, x = torch.randn(2 * half, k, generator=gen), torch.randn(m, k, generator=gen)
+    bias = torch.randn(2 * half, generator=gen)
+    packed = native.pack_bf16_tiles(w)
+    assert native.bf16_tiles_silu_fits(x, packed)
+    for b in (None, bias):
+        expected = native.silu_mul(native.bf16_tiles_linear(x, packed, b))
+        got = native.bf16_tiles_silu_and_mul(x, packed, b)
+        assert got.shape == (m, half) and torch.equal(got, expected), \
+            f"fused M={m} K={k} N/2={half} bias={b is not None}: max diff {(got - expected).abs().max()}"
+    assert dense.linear_bf16_silu_and_mul(x.view(1, m, k), packed, None).shape == (1, m, half)
+
+
+@pytest.mark.skipif(not native.amx_available(), reason="the fused gate/up kernel runs on AMX tiles only")
+def test_fused_silu_and_mul_is_declined_where_it_does_not_apply():
+    """dense.linear_bf16_silu_and_mul says None (the caller runs the two ops) for bf16 activations
+    (the unfused product is rounded before the activation) and for halves that split a strip."""
+    x = torch.randn(4, 64)
+    assert dense.linear_bf16_silu_and_mul(x.bfloat16(), native.pack_bf16_tiles(torch.randn(64, 64)), None) is None
+    assert dense.linear_bf16_silu_and_mul(x, native.pack_bf16_tiles(torch.randn(48, 64)), None) is None
+    with pytest.raises(ValueError, match="bf16_tiles_silu_fits"):
+        native.bf16_tiles_silu_and_mul(x, native.pack_bf16_tiles(torch.randn(48, 64)))

@@ -186,3 +186,23 @@ def test_bf16_wrappers_match_the_references():
         torch.testing.assert_close(g, w, **bf16)
     assert cpu_ops.bf16_cpu(torch.device("cpu"), torch.bfloat16) == []
     assert cpu_ops.bf16_cpu(torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.skipif(not native.amx_available(), reason="the fused gate/up kernel runs on AMX tiles only")
+@pytest.mark.parametrize("bf16_from", [1, 4])
+def test_a_gate_up_weight_fuses_the_activation_where_its_bf16_tiles_serve(bf16_from, monkeypatch):
+    """PackedDense.silu_and_mul: None below the bf16 crossover (the float32 panels serve, the
+    caller runs the activation), else exactly the native activation of the product."""
+    monkeypatch.setattr(cpu_ops.crossover, "known", lambda what: None)
+    monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: bf16_from)
+    gen = torch.Generator().manual_seed(2)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    with ops.matmul_precision("medium"):
+        packed = cpu_ops.PackedDense(weight)
+    for rows in (1, 3, 4, 40):
+        x = torch.randn(rows, 64, generator=gen)
+        fused = packed.silu_and_mul(x, bias)
+        if rows < bf16_from:
+            assert fused is None, f"{rows} rows: the float32 panels serve, nothing to fuse"
+        else:
+            assert torch.equal(fused, cpu_ops.silu_and_mul(packed(x, bias))), f"{rows} rows: fused result differs"

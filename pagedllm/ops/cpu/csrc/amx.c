@@ -19,7 +19,8 @@
  * reads), so the 16-column strip of blocks nb is one contiguous stream of 1 KiB tiles.
  * Work: each thread takes strips two at a time (32 columns) and, for every 32 rows of x
  * (in chunks of AMX_ROW_CHUNK rows), keeps a 32 x 32 block of y in four accumulator tiles
- * while k runs over the strips.
+ * while k runs over the strips. pd_amx_linear_silu pairs each gate strip with the up strip
+ * of the same columns instead and applies silu(gate) * up to the block's sums.
  * Sums follow k in order within a row, so results differ from a float32 GEMM on the
  * bf16-rounded inputs only by the order of float32 additions inside a 32-wide step.
  */
@@ -68,14 +69,39 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* silu(gate) * up for the rows of a gated block (rows m0.., columns n0..n0+15 of y, of N / 2):
+ * the gate sums in cbuf's first 16 columns, the up sums in its next 16, plus their bias
+ * (gate columns of bias, then up columns from N / 2); the same arithmetic as pd_silu_mul, so
+ * the fused result equals the linear followed by it. */
+static inline void amx_gated_epilogue(int two_m, int64_t m0, int64_t M, int64_t n0, int64_t N, const float *bias,
+                                      float *y, int64_t ldy, float *cbuf) {
+    _tile_stored(0, cbuf, 128);
+    _tile_stored(1, cbuf + 16, 128);
+    if (two_m) {
+        _tile_stored(2, cbuf + 512, 128);
+        _tile_stored(3, cbuf + 512 + 16, 128);
+    }
+    int64_t rows = M - m0 < (two_m ? 32 : 16) ? M - m0 : (two_m ? 32 : 16);
+    __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    __m512 gate_bias = bias ? _mm512_loadu_ps(bias + n0) : zero;
+    __m512 up_bias = bias ? _mm512_loadu_ps(bias + N / 2 + n0) : zero;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *c = cbuf + (r < 16 ? r * 32 : 512 + (r - 16) * 32);
+        __m512 g = _mm512_loadu_ps(c), u = _mm512_loadu_ps(c + 16);
+        if (bias) g = _mm512_add_ps(g, gate_bias), u = _mm512_add_ps(u, up_bias);
+        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(zero, g))));
+        _mm512_storeu_ps(y + (m0 + r) * ldy + n0, _mm512_mul_ps(s, u));
+    }
+}
+
 /* The 32 x 32 (or smaller: two_m / two_n false drop the second half) block of y at rows
  * m0.., strips b0 and b1, summed over KB k tiles; written to y with bias, rows < M and
  * columns < N only. */
-static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n, int fetch, const uint16_t *xa, int64_t Kp,
-                                                            int64_t KB, const uint16_t *b0, const uint16_t *b1,
-                                                            int64_t m0, int64_t M, int64_t n0, int64_t N,
-                                                            const float *bias, void *y, int y_bf16, int64_t ldy,
-                                                            float *cbuf) {
+static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n, int fetch, int gated,
+                                                            const uint16_t *xa, int64_t Kp, int64_t KB,
+                                                            const uint16_t *b0, const uint16_t *b1, int64_t m0,
+                                                            int64_t M, int64_t n0, int64_t N, const float *bias,
+                                                            void *y, int y_bf16, int64_t ldy, float *cbuf) {
     _tile_zero(0);
     if (two_n) _tile_zero(1);
     if (two_m) _tile_zero(2);
@@ -102,6 +128,10 @@ static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n
             _tile_dpbf16ps(2, 5, 6);
             if (two_n) _tile_dpbf16ps(3, 5, 7);
         }
+    }
+    if (gated) { /* b0 a gate strip, b1 its up strip: 16 columns of silu(gate) * up */
+        amx_gated_epilogue(two_m, m0, M, n0, N, bias, (float *)y, ldy, cbuf);
+        return;
     }
     if (two_m && two_n && bias == NULL && !y_bf16 && m0 + 32 <= M && n0 + 32 <= N) {
         /* a whole float32 block without bias: the tiles go straight to y */
@@ -188,20 +218,16 @@ void pd_amx_pack(const float *w, int64_t N, int64_t K, uint16_t *wp) {
         }
 }
 
-/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias, float32), W from
- * pd_amx_pack. x and y are float32, or bf16 where x_bf16 / y_bf16 (a bf16 model: y is
- * rounded once, after the bias). PD_EINVAL where this build or this process has no AMX;
- * PD_ENOMEM when the bf16 copy of x cannot be allocated. */
-int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
-                  const float *bias, void *y, int y_bf16, int64_t ldy) {
 #if PD_AMX
-    if (!amx_permitted()) return PD_EINVAL;
-    if (M <= 0 || N <= 0) return PD_OK;
+/* The work of pd_amx_linear (gated 0: strips 2p and 2p + 1 per block) and of
+ * pd_amx_linear_silu (gated 1: gate strip p and up strip NB / 2 + p). */
+static int amx_run(int gated, const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp,
+                   int64_t N, const float *bias, void *y, int y_bf16, int64_t ldy) {
     int64_t Kp = (K + 31) / 32 * 32, KB = Kp / 32, Mp = (M + 15) / 16 * 16, NB = (N + 15) / 16;
     uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)(Mp * Kp) * sizeof(uint16_t));
     if (xa == NULL) return PD_ENOMEM;
     pd_bf16_pack_x(x, x_bf16, ldx, M, K, Mp, Kp, xa);
-    int64_t pairs = (NB + 1) / 2;
+    int64_t pairs = gated ? NB / 2 : (NB + 1) / 2;
 #pragma omp parallel
     {
         float cbuf[1024] __attribute__((aligned(64)));
@@ -214,21 +240,28 @@ int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, 
             int64_t mend = mc + AMX_ROW_CHUNK < Mp ? mc + AMX_ROW_CHUNK : Mp;
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < pairs; p++) {
-                int64_t nb = 2 * p;
-                int two_n = nb + 1 < NB;
-                const uint16_t *b0 = wp + nb * KB * AMX_TILE_BF16, *b1 = b0 + KB * AMX_TILE_BF16;
+                int64_t nb = gated ? p : 2 * p;
+                int two_n = gated || nb + 1 < NB;
+                const uint16_t *b0 = wp + nb * KB * AMX_TILE_BF16;
+                const uint16_t *b1 = wp + (gated ? NB / 2 + p : nb + 1) * KB * AMX_TILE_BF16;
                 for (int64_t m0 = mc; m0 < mend; m0 += 32) {
                     int two_m = m0 + 16 < Mp, fetch = m0 == mc;
-                    if (two_m && two_n && fetch)
-                        amx_block(1, 1, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                    if (gated && two_m && fetch)
+                        amx_block(1, 1, 1, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, 0, ldy, cbuf);
+                    else if (gated && two_m)
+                        amx_block(1, 1, 0, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, 0, ldy, cbuf);
+                    else if (gated)
+                        amx_block(0, 1, 1, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, 0, ldy, cbuf);
+                    else if (two_m && two_n && fetch)
+                        amx_block(1, 1, 1, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
                     else if (two_m && two_n)
-                        amx_block(1, 1, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                        amx_block(1, 1, 0, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
                     else if (two_m)
-                        amx_block(1, 0, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                        amx_block(1, 0, 1, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
                     else if (two_n)
-                        amx_block(0, 1, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                        amx_block(0, 1, 1, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
                     else
-                        amx_block(0, 0, 1, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
+                        amx_block(0, 0, 1, 0, xa, Kp, KB, b0, b1, m0, M, nb * 16, N, bias, y, y_bf16, ldy, cbuf);
                 }
             }
         }
@@ -236,9 +269,42 @@ int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, 
     }
     free(xa);
     return PD_OK;
+}
+#endif
+
+/* y[M, N] (row stride ldy) = x[M, K] (row stride ldx) @ W^T (+ bias, float32), W from
+ * pd_amx_pack. x and y are float32, or bf16 where x_bf16 / y_bf16 (a bf16 model: y is
+ * rounded once, after the bias). PD_EINVAL where this build or this process has no AMX;
+ * PD_ENOMEM when the bf16 copy of x cannot be allocated. */
+int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                  const float *bias, void *y, int y_bf16, int64_t ldy) {
+#if PD_AMX
+    if (!amx_permitted()) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    return amx_run(0, x, x_bf16, ldx, M, K, wp, N, bias, y, y_bf16, ldy);
 #else
     (void)x, (void)x_bf16, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)bias, (void)y, (void)y_bf16;
     (void)ldy;
+    return PD_EINVAL;
+#endif
+}
+
+/* A gated MLP's first half in one pass: y[M, N / 2] (float32, row stride ldy) =
+ * silu(g) * u, where [g | u] = x @ W^T (+ bias) and W (from pd_amx_pack) stacks the gate's
+ * N / 2 rows over the up projection's. Each block multiplies a gate strip and the up strip
+ * of the same columns, and applies the activation to its float32 sums before they leave
+ * the tiles: the [M, N] product is never written (it was 12 MiB, written and read back, per
+ * SmolLM2 layer of a 1,024-token prefill). The result equals pd_amx_linear then
+ * pd_silu_mul. PD_EINVAL where this build or process has no AMX or N / 2 is not a multiple
+ * of 16 (a strip must not hold both gate and up columns). */
+int pd_amx_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                       const float *bias, float *y, int64_t ldy) {
+#if PD_AMX
+    if (!amx_permitted() || N % 32 != 0) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    return amx_run(1, x, x_bf16, ldx, M, K, wp, N, bias, y, 0, ldy);
+#else
+    (void)x, (void)x_bf16, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)bias, (void)y, (void)ldy;
     return PD_EINVAL;
 #endif
 }

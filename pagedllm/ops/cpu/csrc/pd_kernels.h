@@ -7,7 +7,7 @@
  *   elementwise.c  pd_rms_norm, pd_silu_mul, pd_rope_neox, pd_gather_rows(_bf16), pd_argmax_rows
  *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention (+ _bf16 variants,
  *                  pd_has_bf16_kv), pd_attention_tiles
- *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear
+ *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear, pd_amx_linear_silu
  *   bf16dot.c      the same tiles on AVX512-BF16 dot products: pd_has_bf16dot, pd_bf16dot_linear
  *   vnni.c         ggml 4/8-bit weights x 14-bit integer activations on AVX512-VNNI (few rows):
  *                  pd_has_vnni, pd_vnni_packed_size, pd_vnni_pack, pd_vnni_linear
@@ -58,7 +58,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 12
+#define PD_ABI_VERSION 13
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
@@ -114,6 +114,8 @@ int64_t pd_amx_packed_size(int64_t N, int64_t K);
 void pd_amx_pack(const float *w, int64_t N, int64_t K, uint16_t *wp);
 int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                   const float *bias, void *y, int y_bf16, int64_t ldy);
+int pd_amx_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                       const float *bias, float *y, int64_t ldy);
 int pd_has_bf16dot(void);
 int pd_bf16dot_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                       const float *bias, void *y, int y_bf16, int64_t ldy);
