@@ -89,6 +89,7 @@ _SIGNATURES = {
     "pd_amx_linear_silu": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
     "pd_has_bf16dot": (_i32, []),
     "pd_bf16dot_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
+    "pd_bf16dot_linear_silu": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
     "pd_has_vnni": (_i32, []),
     "pd_vnni_packed_size": (_i64, [_i32, _i64, _i64]),
     "pd_vnni_pack": (_i32, [_i32, _p, _i64, _i64, _p]),
@@ -673,17 +674,18 @@ def bf16_tiles_linear(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None =
 
 
 def bf16_tiles_silu_fits(x: torch.Tensor, w: Bf16Tiles) -> bool:
-    """Whether `bf16_tiles_silu_and_mul` takes x and w: AMX tiles in this process, float32 x,
+    """Whether `bf16_tiles_silu_and_mul` takes x and w: a native bf16 kernel here, float32 x,
     and gate and up halves of whole 16-column strips."""
-    return x.dtype == torch.float32 and w.n % 32 == 0 and amx_available()
+    return x.dtype == torch.float32 and w.n % 32 == 0 and bf16_tiles_kernel() is not None
 
 
 def bf16_tiles_silu_and_mul(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None = None) -> torch.Tensor:
     """silu(g) * u for [g | u] = x @ W^T (+ bias), W stacking the gate's N / 2 rows over the up
-    projection's: x float32 [..., K] -> float32 [..., N / 2] in one pass on AMX tiles, equal
-    to `bf16_tiles_linear` followed by `silu_mul` without writing the [..., N] product."""
+    projection's: x float32 [..., K] -> float32 [..., N / 2] in one pass (AMX tiles where this
+    process has them, else AVX512-BF16), equal to `bf16_tiles_linear` followed by `silu_mul`
+    without writing the [..., N] product."""
     if not bf16_tiles_silu_fits(x, w) or x.device.type != "cpu" or x.shape[-1] != w.k:
-        raise ValueError(f"x: expected a CPU float32 [..., {w.k}] and AMX tiles of an even number of 16-column "
+        raise ValueError(f"x: expected a CPU float32 [..., {w.k}] and a native bf16 kernel for whole 16-column "
                          f"strips per half, got {x.device} {x.dtype} {list(x.shape)}, N={w.n} "
                          "(check bf16_tiles_silu_fits() first)")
     lead, half = x.shape[:-1], w.n // 2
@@ -695,8 +697,8 @@ def bf16_tiles_silu_and_mul(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | 
     b = None if bias is None else _ptr(bias, "bias", torch.float32)
     m = x2.shape[0]
     out = torch.empty(m, half, dtype=torch.float32)
-    rc = _lib().pd_amx_linear_silu(x2.data_ptr(), 0, x2.stride(0), m, w.k, w.tiles.data_ptr(), w.n, b,
-                                   out.data_ptr(), half)
+    kernel = _lib().pd_amx_linear_silu if amx_available() else _lib().pd_bf16dot_linear_silu
+    rc = kernel(x2.data_ptr(), 0, x2.stride(0), m, w.k, w.tiles.data_ptr(), w.n, b, out.data_ptr(), half)
     if rc == PD_ENOMEM:
         raise MemoryError(f"bf16_tiles_silu_and_mul: out of memory rounding {m}x{w.k} activations to bf16")
     if rc != PD_OK:

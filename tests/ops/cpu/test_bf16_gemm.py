@@ -17,6 +17,20 @@ pytestmark = pytest.mark.skipif(not native.available() or native.bf16_tiles_kern
                                 reason="this CPU has neither AMX-BF16 nor AVX512-BF16")
 
 
+_KERNELS = [name for name, here in (("amx-bf16", native.amx_available()), ("avx512-bf16", native.bf16dot_available()))
+            if here]
+
+
+@pytest.fixture(params=_KERNELS or ["none"])
+def kernel(request, monkeypatch):
+    """Each native bf16 kernel this CPU runs (a CPU with AMX also has AVX512-BF16: its
+    bf16dot.c path is tested with AMX switched off)."""
+    if request.param == "avx512-bf16":
+        monkeypatch.setattr(native, "amx_available", lambda: False)
+    assert native.bf16_tiles_kernel() == request.param
+    return request.param
+
+
 def _expected(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     xb, wb = x.bfloat16().double(), w.bfloat16().double()
     out = xb @ wb.T + (0 if bias is None else bias.double())
@@ -27,7 +41,7 @@ def _expected(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> tu
 @pytest.mark.parametrize(("m", "k", "n"), [(1, 32, 16), (3, 33, 17), (8, 64, 48), (9, 100, 50), (13, 576, 960),
                                           (17, 95, 33), (33, 1536, 97), (64, 31, 1), (130, 200, 130),
                                           (300, 64, 96)])
-def test_bf16_linear_matches_float64_on_rounded_inputs(m, k, n):
+def test_bf16_linear_matches_float64_on_rounded_inputs(m, k, n, kernel):
     """Edges everywhere: rows not a multiple of the 8-row (16 on AMX) block, columns not of a
     strip or a three-strip chunk, K not of a 32-wide tile, one-column outputs, rows over several
     128-row chunks (whole float32 blocks stored straight from the tiles)."""
@@ -89,13 +103,13 @@ def test_rejects_wrong_inputs():
         native.pack_bf16_tiles(torch.randn(8))
 
 
-@pytest.mark.skipif(not native.amx_available(), reason="the fused gate/up kernel runs on AMX tiles only")
 @pytest.mark.parametrize(("m", "k", "half"), [(1, 64, 16), (5, 33, 32), (16, 576, 48), (17, 100, 16), (32, 40, 64),
-                                             (130, 576, 1536 // 8), (300, 64, 96)])
-def test_fused_silu_and_mul_equals_the_linear_then_the_activation(m, k, half):
-    """pd_amx_linear_silu pairs gate strip p with up strip p: its result must be exactly
+                                             (130, 576, 1536 // 8), (300, 64, 96), (7, 64, 80)])
+def test_fused_silu_and_mul_equals_the_linear_then_the_activation(m, k, half, kernel):
+    """The fused gate/up kernels pair gate strip p with up strip p: the result must be exactly
     silu_mul(bf16_tiles_linear(...)), with and without a bias, for row counts that leave a
-    16-row half block and a partial one, and rows over several 128-row chunks."""
+    16-row half block (AMX) or a partial 6-row block (AVX512-BF16), rows over several 128-row
+    chunks, and an odd number of strips per half (a lone gate/up pair)."""
     gen = torch.Generator().manual_seed(m * 1000 + k + half)
     w, x = torch.randn(2 * half, k, generator=gen), torch.randn(m, k, generator=gen)
     bias = torch.randn(2 * half, generator=gen)
@@ -109,8 +123,7 @@ def test_fused_silu_and_mul_equals_the_linear_then_the_activation(m, k, half):
     assert dense.linear_bf16_silu_and_mul(x.view(1, m, k), packed, None).shape == (1, m, half)
 
 
-@pytest.mark.skipif(not native.amx_available(), reason="the fused gate/up kernel runs on AMX tiles only")
-def test_fused_silu_and_mul_is_declined_where_it_does_not_apply():
+def test_fused_silu_and_mul_is_declined_where_it_does_not_apply(kernel):
     """dense.linear_bf16_silu_and_mul says None (the caller runs the two ops) for bf16 activations
     (the unfused product is rounded before the activation) and for halves that split a strip."""
     x = torch.randn(4, 64)

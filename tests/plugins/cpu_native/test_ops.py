@@ -188,7 +188,7 @@ def test_bf16_wrappers_match_the_references():
     assert cpu_ops.bf16_cpu(torch.device("cpu"), torch.float32)
 
 
-@pytest.mark.skipif(not native.amx_available(), reason="the fused gate/up kernel runs on AMX tiles only")
+@pytest.mark.skipif(native.bf16_tiles_kernel() is None, reason="no native bf16 kernel (AMX or AVX512-BF16) here")
 @pytest.mark.parametrize("bf16_from", [1, 4])
 def test_a_gate_up_weight_fuses_the_activation_where_its_bf16_tiles_serve(bf16_from, monkeypatch):
     """PackedDense.silu_and_mul: None below the bf16 crossover (the float32 panels serve, the

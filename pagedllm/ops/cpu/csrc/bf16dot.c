@@ -15,7 +15,9 @@
  * threads; for each chunk every 8 rows of x keep an 8 x 48 block of y in 24 registers
  * while k runs over all of K (the chunk's strips, 96 bytes per k, stay in L2 across the
  * row blocks). Sums follow k in order, two products at a time, so results differ from a
- * float32 GEMM on the bf16-rounded inputs only in float32 rounding order. */
+ * float32 GEMM on the bf16-rounded inputs only in float32 rounding order.
+ * pd_bf16dot_linear_silu is the gated MLP's gate/up layer in one pass (amx.c's contract):
+ * silu(gate) * up applied to the sums in registers, the [M, N] product never written. */
 #include "pd_kernels.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -60,6 +62,36 @@ static inline __attribute__((always_inline)) void bd_block(int mr, int ns, const
             else
                 _mm512_mask_storeu_ps((float *)y + (m0 + i) * ldy + c0, mask, v);
         }
+    }
+}
+
+/* A gated block (pd_bf16dot_linear_silu): rows m0..m0+mr of gate strip g and the up strip
+ * of the same columns (g + up), written as silu(gate) * up to the 16 columns of y from n0.
+ * The sums run as bd_block's do, so the result equals pd_bf16dot_linear then pd_silu_mul. */
+static inline __attribute__((always_inline)) void bd_gated_block(int mr, const uint16_t *xa, int64_t Kp,
+                                                                 const uint16_t *g, int64_t up, int64_t m0,
+                                                                 int64_t n0, int64_t half, const float *bias,
+                                                                 float *y, int64_t ldy) {
+    __m512 gacc[BD_MR], uacc[BD_MR];
+    for (int i = 0; i < mr; i++) gacc[i] = uacc[i] = _mm512_setzero_ps();
+    const int32_t *xr = (const int32_t *)(xa + m0 * Kp);
+    int64_t pairs = Kp / 2;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512bh wg = (__m512bh)_mm512_loadu_si512((const void *)(g + p * 32));
+        __m512bh wu = (__m512bh)_mm512_loadu_si512((const void *)(g + up + p * 32));
+        for (int i = 0; i < mr; i++) {
+            __m512bh xv = (__m512bh)_mm512_set1_epi32(xr[i * pairs + p]);
+            gacc[i] = _mm512_dpbf16_ps(gacc[i], xv, wg);
+            uacc[i] = _mm512_dpbf16_ps(uacc[i], xv, wu);
+        }
+    }
+    __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
+    __m512 gb = bias != NULL ? _mm512_loadu_ps(bias + n0) : zero;
+    __m512 ub = bias != NULL ? _mm512_loadu_ps(bias + half + n0) : zero;
+    for (int i = 0; i < mr; i++) {
+        __m512 gv = _mm512_add_ps(gacc[i], gb), uv = _mm512_add_ps(uacc[i], ub);
+        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(zero, gv))));
+        _mm512_storeu_ps(y + (m0 + i) * ldy + n0, _mm512_mul_ps(silu, uv));
     }
 }
 
@@ -118,6 +150,44 @@ int pd_bf16dot_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t
 #else
     (void)x, (void)x_bf16, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)bias, (void)y, (void)y_bf16;
     (void)ldy;
+    return PD_EINVAL;
+#endif
+}
+
+/* silu(g) * u for [g | u] = x @ W^T (+ bias): the contract of amx.c's pd_amx_linear_silu
+ * (y float32 [M, N / 2], W stacking the gate's N / 2 rows over the up projection's), on
+ * AVX512-BF16 dot products: blocks of 8 rows x a gate strip and the up strip of the same
+ * columns (16 accumulators; 6 rows x two pairs measured no better on a Xeon's AVX512-BF16).
+ * PD_EINVAL where this build has no AVX512-BF16 or N / 2 is not a multiple of 16. */
+int pd_bf16dot_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp,
+                           int64_t N, const float *bias, float *y, int64_t ldy) {
+#if PD_BF16DOT
+    if (N % 32 != 0) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    int64_t Kp = (K + 31) / 32 * 32, NBh = N / 32, strip = Kp / 32 * BD_TILE, half = N / 2, up = NBh * strip;
+    uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)(M * Kp) * sizeof(uint16_t));
+    if (xa == NULL) return PD_ENOMEM;
+    pd_bf16_pack_x(x, x_bf16, ldx, M, K, M, Kp, xa);
+#pragma omp parallel for schedule(static) if (M * N * K >= 262144)
+    for (int64_t nb = 0; nb < NBh; nb++) {
+        const uint16_t *g = wp + nb * strip;
+        for (int64_t m0 = 0; m0 < M; m0 += BD_MR) {
+            switch (M - m0 < BD_MR ? (int)(M - m0) : BD_MR) {
+            case 8: bd_gated_block(8, xa, Kp, g, up, m0, 16 * nb, half, bias, y, ldy); break;
+            case 7: bd_gated_block(7, xa, Kp, g, up, m0, 16 * nb, half, bias, y, ldy); break;
+            case 6: bd_gated_block(6, xa, Kp, g, up, m0, 16 * nb, half, bias, y, ldy); break;
+            case 5: bd_gated_block(5, xa, Kp, g, up, m0, 16 * nb, half, bias, y, ldy); break;
+            case 4: bd_gated_block(4, xa, Kp, g, up, m0, 16 * nb, half, bias, y, ldy); break;
+            case 3: bd_gated_block(3, xa, Kp, g, up, m0, 16 * nb, half, bias, y, ldy); break;
+            case 2: bd_gated_block(2, xa, Kp, g, up, m0, 16 * nb, half, bias, y, ldy); break;
+            default: bd_gated_block(1, xa, Kp, g, up, m0, 16 * nb, half, bias, y, ldy); break;
+            }
+        }
+    }
+    free(xa);
+    return PD_OK;
+#else
+    (void)x, (void)x_bf16, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)bias, (void)y, (void)ldy;
     return PD_EINVAL;
 #endif
 }

@@ -8,7 +8,7 @@
  *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention (+ _bf16 variants,
  *                  pd_has_bf16_kv), pd_attention_tiles
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear, pd_amx_linear_silu
- *   bf16dot.c      the same tiles on AVX512-BF16 dot products: pd_has_bf16dot, pd_bf16dot_linear
+ *   bf16dot.c      the same tiles on AVX512-BF16 dot products: pd_has_bf16dot, pd_bf16dot_linear(_silu)
  *   vnni.c         ggml 4/8-bit weights x 14-bit integer activations on AVX512-VNNI (few rows):
  *                  pd_has_vnni, pd_vnni_packed_size, pd_vnni_pack, pd_vnni_linear
  *   lut4.c         4-bit codebook weights (bitsandbytes NF4 / FP4): pd_linear_lut4
@@ -119,6 +119,8 @@ int pd_amx_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
 int pd_has_bf16dot(void);
 int pd_bf16dot_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                       const float *bias, void *y, int y_bf16, int64_t ldy);
+int pd_bf16dot_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp,
+                           int64_t N, const float *bias, float *y, int64_t ldy);
 int pd_has_vnni(void);
 int64_t pd_vnni_packed_size(int qtype, int64_t N, int64_t K);
 int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out);

@@ -51,6 +51,7 @@ static const char *const KERNELS[][2] = {
     {"vnni_linear", "ipiiipipi"},
     {"gather_rows_bf16", "piipip"},
     {"amx_linear_silu", "piiiipippi"},
+    {"bf16dot_linear_silu", "piiiipippi"},
 };
 #define NUM_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -110,6 +111,7 @@ int64_t pd_replay(const pd_call *calls, int64_t n, const int64_t *bases) {
         case 17: rc = pd_vnni_linear(I(0), P(1), I(2), I(3), I(4), P(5), I(6), P(7), I(8)); break;
         case 18: rc = pd_gather_rows_bf16(P(0), I(1), I(2), P(3), I(4), P(5)); break;
         case 19: rc = pd_amx_linear_silu(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9)); break;
+        case 20: rc = pd_bf16dot_linear_silu(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9)); break;
         default: return c;
         }
 #undef P
