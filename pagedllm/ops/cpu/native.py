@@ -648,6 +648,14 @@ def pack_bf16_tiles(weight: torch.Tensor) -> Bf16Tiles:
     return Bf16Tiles(n, k, tiles)
 
 
+def _tiles_bias(bias: torch.Tensor | None, w: Bf16Tiles) -> torch.Tensor | None:
+    """The float32 bias [N] a bf16 tiles kernel adds (a bf16 one widened): the caller keeps
+    the tensor alive while the kernel reads it."""
+    if bias is not None and bias.shape != (w.n,):
+        raise ValueError(f"bias: expected [{w.n}], got {list(bias.shape)}")
+    return None if bias is None else bias.float()
+
+
 def bf16_tiles_linear(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias) -> [..., N] in x's dtype (float32 or bf16): bf16 products,
     float32 sums, one rounding of a bf16 output; on AMX tiles where this process has them,
@@ -655,11 +663,7 @@ def bf16_tiles_linear(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | None =
     if x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu" or x.shape[-1] != w.k:
         raise ValueError(f"x: expected a CPU float32 or bf16 [..., {w.k}], got {x.device} {x.dtype} {list(x.shape)}")
     lead = x.shape[:-1]
-    x2 = _rows(x, w.k)
-    if bias is not None:
-        if bias.shape != (w.n,):
-            raise ValueError(f"bias: expected [{w.n}], got {list(bias.shape)}")
-        bias = bias.float()
+    x2, bias = _rows(x, w.k), _tiles_bias(bias, w)
     b = None if bias is None else _ptr(bias, "bias", torch.float32)
     m, bf16 = x2.shape[0], x.dtype == torch.bfloat16
     out = torch.empty(m, w.n, dtype=x.dtype)
@@ -689,11 +693,7 @@ def bf16_tiles_silu_and_mul(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | 
                          f"strips per half, got {x.device} {x.dtype} {list(x.shape)}, N={w.n} "
                          "(check bf16_tiles_silu_fits() first)")
     lead, half = x.shape[:-1], w.n // 2
-    x2 = _rows(x, w.k)
-    if bias is not None:
-        if bias.shape != (w.n,):
-            raise ValueError(f"bias: expected [{w.n}], got {list(bias.shape)}")
-        bias = bias.float()
+    x2, bias = _rows(x, w.k), _tiles_bias(bias, w)
     b = None if bias is None else _ptr(bias, "bias", torch.float32)
     m = x2.shape[0]
     out = torch.empty(m, half, dtype=torch.float32)

@@ -89,17 +89,23 @@ def test_medium_precision_without_native_bf16_stays_float32(monkeypatch):
     assert packed.bf16 is None, "bf16 products where the CPU emulates bf16"
 
 
+def _packed_with_crossover(bf16_from: int, gen: torch.Generator, monkeypatch):
+    """A random 96 x 64 weight and bias, and the weight packed under "medium" precision as if
+    this machine had measured bf16 faster from `bf16_from` rows."""
+    monkeypatch.setattr(cpu_ops.crossover, "known", lambda what: None)
+    monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: bf16_from)
+    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
+    with ops.matmul_precision("medium"):
+        return weight, bias, cpu_ops.PackedDense(weight)
+
+
 @needs_native_bf16
 @pytest.mark.parametrize("bf16_from", [1, 4, cpu_ops.crossover.NEVER])
 def test_medium_precision_follows_the_measured_crossover(bf16_from, monkeypatch):
     """bf16 products from the measured row count (faked here), within bf16's rounding;
     the float32 panels serve fewer rows, and are dropped when bf16 wins from one row."""
-    monkeypatch.setattr(cpu_ops.crossover, "known", lambda what: None)
-    monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: bf16_from)
     gen = torch.Generator().manual_seed(0)
-    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
-    with ops.matmul_precision("medium"):
-        packed = cpu_ops.PackedDense(weight)
+    weight, bias, packed = _packed_with_crossover(bf16_from, gen, monkeypatch)
     assert (packed.bf16 is None) == (bf16_from == cpu_ops.crossover.NEVER)
     assert (packed.packed is None) == (bf16_from == 1), "float32 panels kept only where they serve"
     for rows in (1, 3, 4, 40):
@@ -193,12 +199,8 @@ def test_bf16_wrappers_match_the_references():
 def test_a_gate_up_weight_fuses_the_activation_where_its_bf16_tiles_serve(bf16_from, monkeypatch):
     """PackedDense.silu_and_mul: None below the bf16 crossover (the float32 panels serve, the
     caller runs the activation), else exactly the native activation of the product."""
-    monkeypatch.setattr(cpu_ops.crossover, "known", lambda what: None)
-    monkeypatch.setattr(cpu_ops.crossover, "rows_from", lambda what, small, large, k: bf16_from)
     gen = torch.Generator().manual_seed(2)
-    weight, bias = torch.randn(96, 64, generator=gen), torch.randn(96, generator=gen)
-    with ops.matmul_precision("medium"):
-        packed = cpu_ops.PackedDense(weight)
+    _, bias, packed = _packed_with_crossover(bf16_from, gen, monkeypatch)
     for rows in (1, 3, 4, 40):
         x = torch.randn(rows, 64, generator=gen)
         fused = packed.silu_and_mul(x, bias)
