@@ -87,6 +87,10 @@ _SIGNATURES = {
     "pd_amx_pack": (None, [_p, _i64, _i64, _p]),
     "pd_amx_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
     "pd_amx_linear_silu": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
+    "pd_amx_q4_packed_size": (_i64, [_i64, _i64]),
+    "pd_amx_q4_pack": (_i32, [_p, _i64, _i64, _p]),
+    "pd_amx_q4_linear": (_i32, [_p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
+    "pd_amx_q4_linear_silu": (_i32, [_p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
     "pd_has_bf16dot": (_i32, []),
     "pd_bf16dot_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
     "pd_bf16dot_linear_silu": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
@@ -704,6 +708,60 @@ def bf16_tiles_silu_and_mul(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | 
     if rc != PD_OK:
         raise RuntimeError(f"bf16_tiles_silu_and_mul: the kernel refused (rc {rc})")
     return out.view(*lead, half)
+
+
+@dataclass(frozen=True)
+class Q4Tiles:
+    """A Q4_1 [N, K] matrix repacked for `q4_tiles_linear` (layout: csrc/amx.c), as many bytes
+    as its blocks: dequantized into AMX tiles inside the GEMM."""
+
+    n: int
+    k: int
+    tiles: torch.Tensor  # uint8 [pd_amx_q4_packed_size]
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.numel()
+
+
+def q4_tiles_fit(qtype: int, n: int, k: int) -> bool:
+    """Whether `pack_q4_tiles` takes a weight: Q4_1 blocks, N a multiple of 16, AMX here."""
+    return qtype == 3 and n % 16 == 0 and k % 32 == 0 and amx_available()
+
+
+def pack_q4_tiles(raw: torch.Tensor, k: int) -> Q4Tiles:
+    """Q4_1 blocks (uint8 [N, K / 32 * 20]) repacked for `q4_tiles_linear`."""
+    _check_raw(raw, 3, k)
+    n = raw.shape[0]
+    if not q4_tiles_fit(3, n, k):
+        raise ValueError(f"pack_q4_tiles: a {n} x {k} Q4_1 weight does not fit the AMX Q4 tiles here "
+                         "(check q4_tiles_fit() first)")
+    tiles = torch.empty(kernels().pd_amx_q4_packed_size(n, k), dtype=torch.uint8)
+    if kernels().pd_amx_q4_pack(raw.contiguous().data_ptr(), n, k, tiles.data_ptr()) != PD_OK:
+        raise ValueError(f"pack_q4_tiles: the kernel refused a {n} x {k} weight")
+    return Q4Tiles(n, k, tiles)
+
+
+def q4_tiles_linear(x: torch.Tensor, w: Q4Tiles, out: torch.Tensor | None = None,
+                    silu_and_mul: bool = False) -> torch.Tensor:
+    """x float32 [M, K] (rows contiguous) @ W^T -> float32 [M, N]: bf16 products of x rounded to
+    bf16 and W's blocks dequantized in float32 and rounded to bf16, float32 sums; equal to
+    `bf16_tiles_linear` on `pack_bf16_tiles` of W's float32 dequantization. With
+    `silu_and_mul` (a gate/up weight, N / 2 a multiple of 16): silu(gate) * up, [M, N / 2],
+    as `bf16_tiles_silu_and_mul` computes it."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != w.k or x.stride(1) != 1:
+        raise ValueError(f"x: expected float32 [M, {w.k}] with contiguous rows, got {x.dtype} {list(x.shape)}")
+    if silu_and_mul and w.n % 32:
+        raise ValueError(f"silu_and_mul: the gate and up halves of {w.n} rows are not whole 16-column strips")
+    m = x.shape[0]
+    out = _output(out, m, w.n // 2 if silu_and_mul else w.n)
+    kernel = _lib().pd_amx_q4_linear_silu if silu_and_mul else _lib().pd_amx_q4_linear
+    rc = kernel(x.data_ptr(), x.stride(0), m, w.k, w.tiles.data_ptr(), w.n, out.data_ptr(), out.stride(0))
+    if rc == PD_ENOMEM:
+        raise MemoryError(f"q4_tiles_linear: out of memory for {m} x {w.k} activations")
+    if rc != PD_OK:
+        raise RuntimeError("q4_tiles_linear: this process has no AMX tiles (check q4_tiles_fit() first)")
+    return out
 
 
 @dataclass(frozen=True)

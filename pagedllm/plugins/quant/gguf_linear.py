@@ -32,7 +32,7 @@ from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, MoEMethod, Qu
 from pagedllm.ops.cpu import crossover, dense as dense_kernels, native
 from pagedllm.plugins.quant import gguf_blocks32, gguf_int4, gguf_vnni
 from pagedllm.plugins.quant.gguf_dequant import dequantize
-from pagedllm.plugins.quant.gguf_file import check_supported, type_name
+from pagedllm.plugins.quant.gguf_file import Q4_1 as GGML_Q4_1, check_supported, type_name
 
 logger = logging.getLogger("pagedllm")
 
@@ -115,6 +115,12 @@ def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
     if not layer.gguf_packed and layer.gguf_small is None:
         return False
     return not layer.gguf_has_dense or (x.dtype == torch.float32 and rows < layer.gguf_native_below)
+
+
+def _takes_q4(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
+    """Whether this call multiplies from the Q4 tiles: float32 batches in their measured range."""
+    return layer.gguf_q4 is not None and x.dtype == torch.float32 and \
+        layer.gguf_native_below <= rows < layer.gguf_q4_below
 
 
 def _vnni_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence[tuple[int | None, torch.Tensor]],
@@ -227,14 +233,58 @@ def _keep_small_kernel(layer: nn.Module, kernel, name: str) -> None:
         layer.register_parameter(f"qweight_{name}_{i}", nn.Parameter(tensor, requires_grad=False))
 
 
-def _measure_native_below(what: str, small: crossover.Contender, dense_fn, weight: torch.Tensor, k: int) -> int:
-    """From how many rows the dense copy `dense_fn` (`ops.pack_linear(weight)`) beats the
-    blocks (measured once per shape)."""
+def _dense_contender(dense_fn, weight: torch.Tensor) -> crossover.Contender:
+    """The dense copy `dense_fn` (`ops.pack_linear(weight)`) as a crossover side."""
     def packed(dense) -> crossover.Kernel:
         return lambda x: dense(x, None)
 
-    large = crossover.Contender(packed(dense_fn), lambda: packed(ops.pack_linear(weight)), dense_fn.nbytes)
-    return crossover.rows_from(what, small, large, k)
+    return crossover.Contender(packed(dense_fn), lambda: packed(ops.pack_linear(weight)), dense_fn.nbytes)
+
+
+# Row counts the Q4-tiles kernel is timed at against the dense copy: it reads a quarter of the
+# bf16 copy's bytes but dequantizes every tile, so it wins at decode batch sizes and loses at
+# prefill sizes (on a 2-vCPU Xeon with AMX, SmolLM2's layers at 16 / 32 / 64 / 128 / 1,024 rows:
+# 1.57 / 1.39 / 1.27 / 1.28 / 0.88x the bf16 tiles' time); where it still wins at the last
+# count, it serves up to twice that. Against the small-batch kernel it is timed from 2 rows
+# (one row fills a sixteenth of a tile): there it won from 4-8 rows.
+Q4_TILES_CANDIDATES = (16, 32, 64, 128)
+Q4_TILES_FROM_CANDIDATES = (2, 4, 8, 16, 32, 64)
+
+
+def _q4_tiles_range(layer: nn.Module, types: str, shape: str, joined: Sequence[tuple[int | None, torch.Tensor]],
+                    k: int, small: crossover.Contender, small_name: str, dense_side: crossover.Contender) -> bool:
+    """Between the small-batch kernel and the dense copy: the Q4_1 blocks dequantized into AMX
+    tiles inside the GEMM (`native.q4_tiles_linear`; its results equal the dense copy's bf16
+    tiles), for the rows where it measured faster than both. Sets `layer.gguf_q4` and its
+    range [`gguf_native_below`, `gguf_q4_below`) and returns True, or leaves the layer as it
+    was (False: the small kernel's crossover with the dense copy is still to measure)."""
+    rows = sum(layer.gguf_output_sizes)
+    if len(joined) != 1 or joined[0][0] != GGML_Q4_1 or not native.q4_tiles_fit(GGML_Q4_1, rows, k) \
+            or not dense_kernels.bf16_products_allowed():
+        return False
+    above, below = f"gguf-{types}|{small_name}|amx-q4|{shape}", f"gguf-{types}|amx-q4|{layer.gguf_dense.kind}|{shape}"
+    known_above = crossover.known(above, Q4_TILES_FROM_CANDIDATES)
+    known_below = crossover.known(below, Q4_TILES_CANDIDATES)
+    if known_above is not None and known_below is not None and known_above >= known_below:
+        return False  # measured on this machine before: it serves no batch size
+    q4 = native.pack_q4_tiles(joined[0][1], k)
+
+    def kernel_on(w: native.Q4Tiles) -> crossover.Kernel:
+        return lambda x: native.q4_tiles_linear(x.reshape(-1, k).contiguous(), w)
+
+    side = crossover.Contender(kernel_on(q4), lambda: kernel_on(native.Q4Tiles(q4.n, q4.k, q4.tiles.clone())),
+                               q4.nbytes)
+    first = crossover.rows_from(above, small, side, k, candidates=Q4_TILES_FROM_CANDIDATES)
+    last = crossover.rows_from(below, side, dense_side, k, candidates=Q4_TILES_CANDIDATES)
+    last = min(last, 2 * Q4_TILES_CANDIDATES[-1])
+    side.copies.clear()
+    if first >= last:
+        return False
+    layer.gguf_q4 = q4
+    layer.register_parameter("qweight_amx_q4", nn.Parameter(q4.tiles, requires_grad=False))
+    layer.gguf_native_below, layer.gguf_q4_below = first, last
+    logger.debug("%s: Q4 tiles serve %d-%d rows", layer.prefix, first, last - 1)
+    return True
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -265,6 +315,8 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_native_below = 0  # batches of fewer rows read the blocks (with a dense copy)
         layer.gguf_gemm_from = crossover.NEVER  # keep-quantized: rows from which the blocks run as a GEMM
         layer.gguf_small = None  # the VNNI or int4 kernel, where one beat the native one for single rows
+        layer.gguf_q4 = None  # Q4_1 blocks as AMX Q4 tiles, for batches from gguf_native_below ...
+        layer.gguf_q4_below = 0  # ... to this many rows (where they measured faster than both)
 
     @staticmethod
     def _load_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -336,16 +388,22 @@ class GGUFLinearMethod(LinearMethod):
             small, name = _small_rows_kernel(types, shape, blocks, k, native_side, joined)
             if name != "native":
                 _keep_small_kernel(layer, small.kernel, name)
-            layer.gguf_native_below = _measure_native_below(
-                f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_dense.kind}|{shape}", small,
-                layer.gguf_dense, weight, k)
+            dense_side = _dense_contender(layer.gguf_dense, weight)
+            if not _q4_tiles_range(layer, types, shape, joined, k, small, name, dense_side):
+                layer.gguf_native_below = crossover.rows_from(
+                    f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_dense.kind}|{shape}", small,
+                    dense_side, k)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // layer.gguf_input_size
-        if _takes_native(layer, x, rows):
+        takes_q4 = _takes_q4(layer, x, rows)
+        if takes_q4 or _takes_native(layer, x, rows):
             x2 = x.reshape(rows, layer.gguf_input_size).float()  # the kernels take float32 activations
-            # with a dense copy, the blocks serve only batches below the measured crossover
-            out = layer.gguf_small(x2) if layer.gguf_small is not None else _native_linear(layer, x2)
+            # with a dense copy, the blocks serve only batches below the measured crossovers
+            if takes_q4:
+                out = native.q4_tiles_linear(x2.contiguous(), layer.gguf_q4)
+            else:
+                out = layer.gguf_small(x2) if layer.gguf_small is not None else _native_linear(layer, x2)
             if bias is not None:
                 out += bias
             return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
@@ -360,7 +418,12 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         # batches the dense copy serves: its kernel may fuse the activation
-        if layer.gguf_dense is None or _takes_native(layer, x, x.numel() // layer.gguf_input_size):
+        rows = x.numel() // layer.gguf_input_size
+        if _takes_q4(layer, x, rows) and layer.gguf_q4.n % 32 == 0 and bias is None:
+            x2 = x.reshape(rows, layer.gguf_input_size).contiguous()
+            out = native.q4_tiles_linear(x2, layer.gguf_q4, silu_and_mul=True)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        if layer.gguf_dense is None or _takes_native(layer, x, rows) or _takes_q4(layer, x, rows):
             return None
         return layer.gguf_dense.silu_and_mul(x, bias)
 
@@ -453,9 +516,9 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
                 small, name = _small_rows_kernel(types, shape, blocks, hidden, native_side, [(qtype, raw)])
                 if name != "native":
                     _keep_small_kernel(layer, small.kernel, name)
-                layer.gguf_native_below = _measure_native_below(
+                layer.gguf_native_below = crossover.rows_from(
                     f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_head.kind}|{shape}",
-                    small, layer.gguf_head, layer.weight, hidden)
+                    small, _dense_contender(layer.gguf_head, layer.weight), hidden)
         else:
             del layer.weight
             layer.gguf_has_dense = False

@@ -69,6 +69,25 @@ static void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* One k step of a block: x tiles of rows a0 (and a1 when two_m) times weight tiles kb of
+ * strips b0 (and b1 when two_n), summed into accumulator tiles 0-3. */
+static inline __attribute__((always_inline)) void amx_kstep(int two_m, int two_n, const uint16_t *a0,
+                                                            const uint16_t *a1, int64_t Kp, int64_t kb,
+                                                            const uint16_t *b0, const uint16_t *b1) {
+    _tile_loadd(4, a0 + kb * 32, Kp * 2);
+    _tile_loadd(6, b0 + kb * AMX_TILE_BF16, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two_n) {
+        _tile_loadd(7, b1 + kb * AMX_TILE_BF16, 64);
+        _tile_dpbf16ps(1, 4, 7);
+    }
+    if (two_m) {
+        _tile_loadd(5, a1 + kb * 32, Kp * 2);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two_n) _tile_dpbf16ps(3, 5, 7);
+    }
+}
+
 /* silu(gate) * up for the rows of a gated block (rows m0.., columns n0..n0+15 of y, of N / 2):
  * the gate sums in cbuf's first 16 columns, the up sums in its next 16, plus their bias
  * (gate columns of bias, then up columns from N / 2); the same arithmetic as pd_silu_mul, so
@@ -116,18 +135,7 @@ static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n
                 _mm_prefetch((const char *)(b0 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
                 if (two_n) _mm_prefetch((const char *)(b1 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
             }
-        _tile_loadd(4, a0 + kb * 32, Kp * 2);
-        _tile_loadd(6, b0 + kb * AMX_TILE_BF16, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two_n) {
-            _tile_loadd(7, b1 + kb * AMX_TILE_BF16, 64);
-            _tile_dpbf16ps(1, 4, 7);
-        }
-        if (two_m) {
-            _tile_loadd(5, a1 + kb * 32, Kp * 2);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two_n) _tile_dpbf16ps(3, 5, 7);
-        }
+        amx_kstep(two_m, two_n, a0, a1, Kp, kb, b0, b1);
     }
     if (gated) { /* b0 a gate strip, b1 its up strip: 16 columns of silu(gate) * up */
         amx_gated_epilogue(two_m, m0, M, n0, N, bias, (float *)y, ldy, cbuf);
@@ -305,6 +313,181 @@ int pd_amx_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
     return amx_run(1, x, x_bf16, ldx, M, K, wp, N, bias, y, 0, ldy);
 #else
     (void)x, (void)x_bf16, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)bias, (void)y, (void)ldy;
+    return PD_EINVAL;
+#endif
+}
+
+/* ------------------------------------------------------------ Q4 tiles (decode batches)
+ * At decode batch sizes (16-128 rows) the bf16 tiles above stream 2 bytes per weight and the
+ * GEMM runs at memory speed. pd_amx_q4_linear reads Q4_1 blocks instead, repacked so
+ * that a tile dequantizes in a few vector instructions per row, and turns tile kb + 1 into
+ * bf16 (float32 d * q + m, then bf16 nearest even: the values pd_amx_pack gives the dense
+ * float32 copy of the same blocks, so results equal pd_amx_linear on that copy) while the
+ * products of tile kb run on the tiles.
+ *
+ * Layout (pd_amx_q4_pack): per 16-column strip nb and 32-wide k block kb, AMX_Q4_TILE bytes:
+ * 16 rows r of 16 code bytes, then 16 fp16 d and 16 fp16 m (one per column). Tile row r
+ * holds bf16 position j = 2n + e (column n, k = 2r + e); code byte i's low nibble is position
+ * i, its high nibble position 16 + i, so one vcvtne2ps2bf16 of the two halves is the row. */
+#define AMX_Q4_TILE 320
+
+int64_t pd_amx_q4_packed_size(int64_t N, int64_t K) { return N / 16 * (K / 32) * AMX_Q4_TILE; }
+
+static inline int q4_code(const uint8_t *block, int k) {
+    return k < 16 ? block[4 + k] & 15 : block[4 + k - 16] >> 4;
+}
+
+/* raw: N rows of K / 32 Q4_1 blocks ({f16 d; f16 m; u8 qs[16]}, value d * q + m, qs[j]'s low
+ * nibble k = j, high nibble k = j + 16). PD_EINVAL where N, K are not multiples of 16, 32.
+ * (Q4_0 would store m = -8 d; not wired yet.) */
+int pd_amx_q4_pack(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
+    if (N % 16 != 0 || K % 32 != 0) return PD_EINVAL;
+    int64_t KB = K / 32, NB = N / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < NB; nb++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            uint8_t *t = out + (nb * KB + kb) * AMX_Q4_TILE;
+            const uint8_t *blk[16];
+            for (int n = 0; n < 16; n++) {
+                blk[n] = raw + ((nb * 16 + n) * KB + kb) * 20;
+                memcpy(t + 256 + 2 * n, blk[n], 2);      /* d */
+                memcpy(t + 288 + 2 * n, blk[n] + 2, 2);  /* m */
+            }
+            for (int r = 0; r < 16; r++)
+                for (int i = 0; i < 16; i++) { /* positions i and 16 + i: column j / 2, k = 2r + j % 2 */
+                    int hi = 16 + i;
+                    t[r * 16 + i] = (uint8_t)(q4_code(blk[i / 2], 2 * r + i % 2) |
+                                              q4_code(blk[hi / 2], 2 * r + hi % 2) << 4);
+                }
+        }
+    return PD_OK;
+}
+
+#if PD_AMX
+/* One Q4 tile into the 16 x 32 bf16 tile at dst (1 KiB); lo_idx / hi_idx spread the 16
+ * columns' d and m over the positions of each half of a row. */
+static inline void q4_tile(const uint8_t *t, uint16_t *dst, __m512i lo_idx, __m512i hi_idx) {
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 256)));
+    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 288)));
+    __m512 dl = _mm512_permutexvar_ps(lo_idx, d), ml = _mm512_permutexvar_ps(lo_idx, m);
+    __m512 dh = _mm512_permutexvar_ps(hi_idx, d), mh = _mm512_permutexvar_ps(hi_idx, m);
+    __m512i nibble = _mm512_set1_epi32(15);
+    for (int r = 0; r < 16; r++) {
+        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 16 * r)));
+        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), dl, ml);
+        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dh, mh);
+        _mm512_storeu_si512(dst + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+}
+
+/* A block's float32 sums (rows m0.., 32 or 16 columns from n0) copied to y, rows < M. */
+static void q4_block_store(int two_m, int two_n, int64_t m0, int64_t M, int64_t n0, float *y, int64_t ldy,
+                           float *cbuf) {
+    _tile_stored(0, cbuf, 128);
+    if (two_n) _tile_stored(1, cbuf + 16, 128);
+    if (two_m) _tile_stored(2, cbuf + 512, 128);
+    if (two_m && two_n) _tile_stored(3, cbuf + 512 + 16, 128);
+    int64_t rows = M - m0 < (two_m ? 32 : 16) ? M - m0 : (two_m ? 32 : 16);
+    for (int64_t r = 0; r < rows; r++)
+        memcpy(y + (m0 + r) * ldy + n0, cbuf + (r < 16 ? r * 32 : 512 + (r - 16) * 32),
+               (size_t)(two_n ? 32 : 16) * sizeof(float));
+}
+#endif
+
+#if PD_AMX
+/* The work of pd_amx_q4_linear (gated 0: strips 2p and 2p + 1) and pd_amx_q4_linear_silu
+ * (gated 1: gate strip p and up strip NB / 2 + p, silu(gate) * up to y's 16 columns 16p..). */
+static int q4_run(int gated, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
+                  float *y, int64_t ldy) {
+    int64_t KB = K / 32, Mp = (M + 15) / 16 * 16, NB = N / 16, pairs = gated ? NB / 2 : (NB + 1) / 2;
+    uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)(Mp * K) * sizeof(uint16_t));
+    if (xa == NULL) return PD_ENOMEM;
+    pd_bf16_pack_x(x, 0, ldx, M, K, Mp, K, xa);
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *buf = (uint16_t *)aligned_alloc(64, (size_t)(2 * KB * AMX_TILE_BF16) * sizeof(uint16_t));
+        float cbuf[1024] __attribute__((aligned(64)));
+        int lo[16], hi[16];
+        for (int i = 0; i < 16; i++) lo[i] = i / 2, hi[i] = 8 + i / 2;
+        __m512i lo_idx = _mm512_loadu_si512(lo), hi_idx = _mm512_loadu_si512(hi);
+        if (buf == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < pairs; p++) {
+            if (buf == NULL) continue;
+            int two_n = gated || 2 * p + 1 < NB, two_m = 16 < Mp;
+            const uint8_t *t0 = wq + (gated ? p : 2 * p) * KB * AMX_Q4_TILE;
+            const uint8_t *t1 = wq + (gated ? NB / 2 + p : 2 * p + 1) * KB * AMX_Q4_TILE;
+            int64_t n0 = gated ? 16 * p : 32 * p;
+            uint16_t *b0 = buf, *b1 = buf + KB * AMX_TILE_BF16;
+            for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+                two_m = m0 + 16 < Mp;
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                if (m0 == 0) { /* the first row block's products of tile kb run while tile kb + 1 is dequantized */
+                    q4_tile(t0, b0, lo_idx, hi_idx);
+                    if (two_n) q4_tile(t1, b1, lo_idx, hi_idx);
+                }
+                for (int64_t kb = 0; kb < KB; kb++) {
+                    const uint16_t *a0 = xa + m0 * K, *a1 = a0 + 16 * K;
+                    if (two_m && two_n) amx_kstep(1, 1, a0, a1, K, kb, b0, b1);
+                    else if (two_m) amx_kstep(1, 0, a0, a1, K, kb, b0, b1);
+                    else if (two_n) amx_kstep(0, 1, a0, a1, K, kb, b0, b1);
+                    else amx_kstep(0, 0, a0, a1, K, kb, b0, b1);
+                    if (m0 == 0 && kb + 1 < KB) { /* the next tiles, while the products run; fetch further ahead */
+                        for (int l = 0; l < AMX_Q4_TILE; l += 64) {
+                            _mm_prefetch((const char *)(t0 + (kb + 32) * AMX_Q4_TILE) + l, _MM_HINT_T0);
+                            if (two_n) _mm_prefetch((const char *)(t1 + (kb + 32) * AMX_Q4_TILE) + l, _MM_HINT_T0);
+                        }
+                        q4_tile(t0 + (kb + 1) * AMX_Q4_TILE, b0 + (kb + 1) * AMX_TILE_BF16, lo_idx, hi_idx);
+                        if (two_n) q4_tile(t1 + (kb + 1) * AMX_Q4_TILE, b1 + (kb + 1) * AMX_TILE_BF16, lo_idx, hi_idx);
+                    }
+                }
+                if (gated)
+                    amx_gated_epilogue(two_m, m0, M, n0, N, NULL, y, ldy, cbuf);
+                else
+                    q4_block_store(two_m, two_n, m0, M, n0, y, ldy, cbuf);
+            }
+        }
+        _tile_release();
+        free(buf);
+    }
+    free(xa);
+    return failed ? PD_ENOMEM : PD_OK;
+}
+#endif
+
+/* y[M, N] (float32, row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T for W from
+ * pd_amx_q4_pack: equal to pd_amx_linear on pd_amx_pack of W's float32 dequantization.
+ * Each thread takes strip pairs; per pair it dequantizes the strips into a buffer, tile
+ * kb + 1 while the first row block's products of tile kb run, and the later row blocks
+ * reuse the buffer. PD_EINVAL without AMX; PD_ENOMEM when a buffer cannot be allocated. */
+int pd_amx_q4_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N, float *y,
+                     int64_t ldy) {
+#if PD_AMX
+    if (!amx_permitted() || N % 16 != 0 || K % 32 != 0) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    return q4_run(0, x, ldx, M, K, wq, N, y, ldy);
+#else
+    (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
+    return PD_EINVAL;
+#endif
+}
+
+/* pd_amx_linear_silu's contract on Q4 tiles: y[M, N / 2] = silu(g) * u for [g | u] = x @ W^T,
+ * the gate's N / 2 rows over the up projection's (no bias); equal to pd_amx_q4_linear then
+ * pd_silu_mul. PD_EINVAL without AMX or where N / 2 is not a multiple of 16. */
+int pd_amx_q4_linear_silu(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
+                          float *y, int64_t ldy) {
+#if PD_AMX
+    if (!amx_permitted() || N % 32 != 0 || K % 32 != 0) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    return q4_run(1, x, ldx, M, K, wq, N, y, ldy);
+#else
+    (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
     return PD_EINVAL;
 #endif
 }
