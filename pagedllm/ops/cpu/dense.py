@@ -117,9 +117,9 @@ def linear_bf16_silu_and_mul(x: torch.Tensor, packed: native.Bf16Tiles | torch.T
                              bias: torch.Tensor | None) -> torch.Tensor | None:
     """silu(gate) * up of `linear_bf16(x, packed, bias)` ([gate | up]) in one pass, where our
     kernel takes this float32 x (csrc/amx.c's pd_amx_linear_silu, csrc/bf16dot.c's
-    pd_bf16dot_linear_silu); None elsewhere (the caller applies the activation to the product). On a 2-core Xeon with AMX, SmolLM2's
-    1,024-row gate/up layer took 1.84 ms fused against 2.33 ms for the GEMM and the
-    activation apart, with equal results."""
+    pd_bf16dot_linear_silu); None elsewhere (the caller applies the activation to the
+    product). On a 2-core Xeon with AMX, SmolLM2's 1,024-row gate/up layer took 1.84 ms fused
+    against 2.33 ms for the GEMM and the activation apart, with equal results."""
     if isinstance(packed, native.Bf16Tiles) and native.bf16_tiles_silu_fits(x, packed):
         return native.bf16_tiles_silu_and_mul(x, packed, bias)
     return None

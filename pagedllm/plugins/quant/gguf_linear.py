@@ -417,15 +417,16 @@ class GGUFLinearMethod(LinearMethod):
         return F.linear(x, dense, bias)
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
-        # batches the dense copy serves: its kernel may fuse the activation
         rows = x.numel() // layer.gguf_input_size
-        if _takes_q4(layer, x, rows) and layer.gguf_q4.n % 32 == 0 and bias is None:
-            x2 = x.reshape(rows, layer.gguf_input_size).contiguous()
-            out = native.q4_tiles_linear(x2, layer.gguf_q4, silu_and_mul=True)
+        if _takes_q4(layer, x, rows):  # fused where the halves are whole strips (the Q4 tiles add no bias)
+            if layer.gguf_q4.n % 32 or bias is not None:
+                return None
+            out = native.q4_tiles_linear(x.reshape(rows, layer.gguf_input_size).contiguous(), layer.gguf_q4,
+                                         silu_and_mul=True)
             return out.view(*x.shape[:-1], out.shape[-1])
-        if layer.gguf_dense is None or _takes_native(layer, x, rows) or _takes_q4(layer, x, rows):
+        if layer.gguf_dense is None or _takes_native(layer, x, rows):
             return None
-        return layer.gguf_dense.silu_and_mul(x, bias)
+        return layer.gguf_dense.silu_and_mul(x, bias)  # batches the dense copy serves: its kernel may fuse
 
 
 def _native_linear(layer: nn.Module, x2: torch.Tensor, gemm: bool | None = None) -> torch.Tensor:

@@ -101,43 +101,24 @@ static inline void amx_gated_epilogue(int two_m, int64_t m0, int64_t M, int64_t 
         _tile_stored(3, cbuf + 512 + 16, 128);
     }
     int64_t rows = M - m0 < (two_m ? 32 : 16) ? M - m0 : (two_m ? 32 : 16);
-    __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-    __m512 gate_bias = bias ? _mm512_loadu_ps(bias + n0) : zero;
-    __m512 up_bias = bias ? _mm512_loadu_ps(bias + N / 2 + n0) : zero;
+    __m512 gate_bias = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    __m512 up_bias = bias ? _mm512_loadu_ps(bias + N / 2 + n0) : _mm512_setzero_ps();
     for (int64_t r = 0; r < rows; r++) {
         const float *c = cbuf + (r < 16 ? r * 32 : 512 + (r - 16) * 32);
         __m512 g = _mm512_loadu_ps(c), u = _mm512_loadu_ps(c + 16);
         if (bias) g = _mm512_add_ps(g, gate_bias), u = _mm512_add_ps(u, up_bias);
-        __m512 s = _mm512_div_ps(g, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(zero, g))));
-        _mm512_storeu_ps(y + (m0 + r) * ldy + n0, _mm512_mul_ps(s, u));
+        _mm512_storeu_ps(y + (m0 + r) * ldy + n0, silu_mul_avx512(g, u));
     }
 }
 
-/* The 32 x 32 (or smaller: two_m / two_n false drop the second half) block of y at rows
- * m0.., strips b0 and b1, summed over KB k tiles; written to y with bias, rows < M and
- * columns < N only. */
-static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n, int fetch, int gated,
-                                                            const uint16_t *xa, int64_t Kp, int64_t KB,
-                                                            const uint16_t *b0, const uint16_t *b1, int64_t m0,
-                                                            int64_t M, int64_t n0, int64_t N, const float *bias,
-                                                            void *y, int y_bf16, int64_t ldy, float *cbuf) {
-    _tile_zero(0);
-    if (two_n) _tile_zero(1);
-    if (two_m) _tile_zero(2);
-    if (two_m && two_n) _tile_zero(3);
-    const uint16_t *a0 = xa + m0 * Kp, *a1 = a0 + 16 * Kp;
-    for (int64_t kb = 0; kb < KB; kb++) {
-        /* the tile loads wait for memory (a tile register is not renamed, so the next
-         * load cannot start before the product reading it ends): fetch ahead, for the
-         * first row block of a chunk only (the later ones find the strips in cache) */
-        if (fetch)
-            for (int l = 0; l < 16; l++) {
-                _mm_prefetch((const char *)(b0 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
-                if (two_n) _mm_prefetch((const char *)(b1 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
-            }
-        amx_kstep(two_m, two_n, a0, a1, Kp, kb, b0, b1);
-    }
-    if (gated) { /* b0 a gate strip, b1 its up strip: 16 columns of silu(gate) * up */
+/* A block's float32 sums in tiles 0-3 (rows m0.., 32 or 16 columns from n0) written to y with
+ * bias, rows < M and columns < N only; a gated block (16 columns of silu(gate) * up) through
+ * amx_gated_epilogue. */
+static inline __attribute__((always_inline)) void amx_block_store(int two_m, int two_n, int gated, int64_t m0,
+                                                                  int64_t M, int64_t n0, int64_t N,
+                                                                  const float *bias, void *y, int y_bf16,
+                                                                  int64_t ldy, float *cbuf) {
+    if (gated) { /* tiles 0 and 2 hold gate sums, 1 and 3 the up sums of the same columns */
         amx_gated_epilogue(two_m, m0, M, n0, N, bias, (float *)y, ldy, cbuf);
         return;
     }
@@ -178,6 +159,33 @@ static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n
             }
         }
     }
+}
+
+/* The 32 x 32 (or smaller: two_m / two_n false drop the second half) block of y at rows
+ * m0.., strips b0 and b1, summed over KB k tiles; written to y with bias, rows < M and
+ * columns < N only. */
+static inline __attribute__((always_inline)) void amx_block(int two_m, int two_n, int fetch, int gated,
+                                                            const uint16_t *xa, int64_t Kp, int64_t KB,
+                                                            const uint16_t *b0, const uint16_t *b1, int64_t m0,
+                                                            int64_t M, int64_t n0, int64_t N, const float *bias,
+                                                            void *y, int y_bf16, int64_t ldy, float *cbuf) {
+    _tile_zero(0);
+    if (two_n) _tile_zero(1);
+    if (two_m) _tile_zero(2);
+    if (two_m && two_n) _tile_zero(3);
+    const uint16_t *a0 = xa + m0 * Kp, *a1 = a0 + 16 * Kp;
+    for (int64_t kb = 0; kb < KB; kb++) {
+        /* the tile loads wait for memory (a tile register is not renamed, so the next
+         * load cannot start before the product reading it ends): fetch ahead, for the
+         * first row block of a chunk only (the later ones find the strips in cache) */
+        if (fetch)
+            for (int l = 0; l < 16; l++) {
+                _mm_prefetch((const char *)(b0 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
+                if (two_n) _mm_prefetch((const char *)(b1 + (kb + AMX_PREFETCH) * AMX_TILE_BF16) + 64 * l, _MM_HINT_T0);
+            }
+        amx_kstep(two_m, two_n, a0, a1, Kp, kb, b0, b1);
+    }
+    amx_block_store(two_m, two_n, gated, m0, M, n0, N, bias, y, y_bf16, ldy, cbuf);
 }
 #endif
 
@@ -380,21 +388,7 @@ static inline void q4_tile(const uint8_t *t, uint16_t *dst, __m512i lo_idx, __m5
     }
 }
 
-/* A block's float32 sums (rows m0.., 32 or 16 columns from n0) copied to y, rows < M. */
-static void q4_block_store(int two_m, int two_n, int64_t m0, int64_t M, int64_t n0, float *y, int64_t ldy,
-                           float *cbuf) {
-    _tile_stored(0, cbuf, 128);
-    if (two_n) _tile_stored(1, cbuf + 16, 128);
-    if (two_m) _tile_stored(2, cbuf + 512, 128);
-    if (two_m && two_n) _tile_stored(3, cbuf + 512 + 16, 128);
-    int64_t rows = M - m0 < (two_m ? 32 : 16) ? M - m0 : (two_m ? 32 : 16);
-    for (int64_t r = 0; r < rows; r++)
-        memcpy(y + (m0 + r) * ldy + n0, cbuf + (r < 16 ? r * 32 : 512 + (r - 16) * 32),
-               (size_t)(two_n ? 32 : 16) * sizeof(float));
-}
-#endif
 
-#if PD_AMX
 /* The work of pd_amx_q4_linear (gated 0: strips 2p and 2p + 1) and pd_amx_q4_linear_silu
  * (gated 1: gate strip p and up strip NB / 2 + p, silu(gate) * up to y's 16 columns 16p..). */
 static int q4_run(int gated, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
@@ -419,13 +413,13 @@ static int q4_run(int gated, const float *x, int64_t ldx, int64_t M, int64_t K, 
 #pragma omp for schedule(static)
         for (int64_t p = 0; p < pairs; p++) {
             if (buf == NULL) continue;
-            int two_n = gated || 2 * p + 1 < NB, two_m = 16 < Mp;
+            int two_n = gated || 2 * p + 1 < NB;
             const uint8_t *t0 = wq + (gated ? p : 2 * p) * KB * AMX_Q4_TILE;
             const uint8_t *t1 = wq + (gated ? NB / 2 + p : 2 * p + 1) * KB * AMX_Q4_TILE;
             int64_t n0 = gated ? 16 * p : 32 * p;
             uint16_t *b0 = buf, *b1 = buf + KB * AMX_TILE_BF16;
             for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-                two_m = m0 + 16 < Mp;
+                int two_m = m0 + 16 < Mp;
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 if (m0 == 0) { /* the first row block's products of tile kb run while tile kb + 1 is dequantized */
                     q4_tile(t0, b0, lo_idx, hi_idx);
@@ -446,10 +440,7 @@ static int q4_run(int gated, const float *x, int64_t ldx, int64_t M, int64_t K, 
                         if (two_n) q4_tile(t1 + (kb + 1) * AMX_Q4_TILE, b1 + (kb + 1) * AMX_TILE_BF16, lo_idx, hi_idx);
                     }
                 }
-                if (gated)
-                    amx_gated_epilogue(two_m, m0, M, n0, N, NULL, y, ldy, cbuf);
-                else
-                    q4_block_store(two_m, two_n, m0, M, n0, y, ldy, cbuf);
+                amx_block_store(two_m, two_n, gated, m0, M, n0, N, NULL, y, 0, ldy, cbuf);
             }
         }
         _tile_release();

@@ -85,13 +85,11 @@ static inline __attribute__((always_inline)) void bd_gated_block(int mr, const u
             uacc[i] = _mm512_dpbf16_ps(uacc[i], xv, wu);
         }
     }
-    __m512 one = _mm512_set1_ps(1.0f), zero = _mm512_setzero_ps();
-    __m512 gb = bias != NULL ? _mm512_loadu_ps(bias + n0) : zero;
-    __m512 ub = bias != NULL ? _mm512_loadu_ps(bias + half + n0) : zero;
+    __m512 gb = bias != NULL ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+    __m512 ub = bias != NULL ? _mm512_loadu_ps(bias + half + n0) : _mm512_setzero_ps();
     for (int i = 0; i < mr; i++) {
-        __m512 gv = _mm512_add_ps(gacc[i], gb), uv = _mm512_add_ps(uacc[i], ub);
-        __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp_avx512(_mm512_sub_ps(zero, gv))));
-        _mm512_storeu_ps(y + (m0 + i) * ldy + n0, _mm512_mul_ps(silu, uv));
+        __m512 silu_up = silu_mul_avx512(_mm512_add_ps(gacc[i], gb), _mm512_add_ps(uacc[i], ub));
+        _mm512_storeu_ps(y + (m0 + i) * ldy + n0, silu_up);
     }
 }
 

@@ -137,13 +137,8 @@ void pd_silu_mul(const float *x, float *out, int64_t T, int64_t I) {
         float *o = out + t * I;
         int64_t i = 0;
 #if PD_AVX512
-        __m512 one16 = _mm512_set1_ps(1.0f), zero16 = _mm512_setzero_ps();
-        for (; i + 16 <= I; i += 16) {
-            __m512 gv = _mm512_loadu_ps(g + i);
-            __m512 e = exp_avx512(_mm512_sub_ps(zero16, gv));
-            __m512 s = _mm512_div_ps(gv, _mm512_add_ps(one16, e));
-            _mm512_storeu_ps(o + i, _mm512_mul_ps(s, _mm512_loadu_ps(u + i)));
-        }
+        for (; i + 16 <= I; i += 16)
+            _mm512_storeu_ps(o + i, silu_mul_avx512(_mm512_loadu_ps(g + i), _mm512_loadu_ps(u + i)));
 #endif
 #if PD_AVX2
         __m256 one = _mm256_set1_ps(1.0f), zero = _mm256_setzero_ps();

@@ -218,6 +218,13 @@ static inline __m512 exp_avx512(__m512 x) {
     for (int i = 1; i < 7; i++) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(PD_EXP_POLY[i]));
     return _mm512_scalef_ps(p, n);
 }
+
+/* silu(g) * u = g / (1 + exp(-g)) * u on 16 lanes: the one arithmetic pd_silu_mul and the fused
+ * gate/up GEMMs (amx.c, bf16dot.c) share, so a fused result equals the GEMM then the op. */
+static inline __m512 silu_mul_avx512(__m512 g, __m512 u) {
+    __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+    return _mm512_mul_ps(_mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), u);
+}
 #endif
 
 #endif /* PD_KERNELS_H */
