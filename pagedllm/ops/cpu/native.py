@@ -42,7 +42,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # linked into one library
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 13  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 14  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-fno-math-errno"]  # compiling each source
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 
@@ -97,7 +97,7 @@ _SIGNATURES = {
     "pd_has_vnni": (_i32, []),
     "pd_vnni_packed_size": (_i64, [_i32, _i64, _i64]),
     "pd_vnni_pack": (_i32, [_i32, _p, _i64, _i64, _p]),
-    "pd_vnni_linear": (_i32, [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
+    "pd_vnni_linear": (_i32, [_i32, _i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
     "pd_replay_kernel": (_i32, [ctypes.c_char_p, ctypes.c_char_p]),
     "pd_replay_call_size": (_i64, []),
     "pd_replay": (_i64, [_p, _i64, _p]),
@@ -803,17 +803,21 @@ def vnni_reads(qtype: int, k: int) -> bool:
     return qtype in VNNI_QTYPES and k % _BLOCKS[qtype][0] == 0
 
 
-def vnni_linear(x: torch.Tensor, w: VnniWeight, out: torch.Tensor | None = None) -> torch.Tensor:
+def vnni_linear(x: torch.Tensor, w: VnniWeight, out: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
     """x [M, K] float32 @ W^T -> float32 [M, N] on AVX512-VNNI; `out` may be a column slice
     of a wider float32 output. Not float32-exact: each 32-value block of a row of x is
     rounded to integers of 1/8191 of its largest value (error at most 1/16382 of it, finer
     than bf16 above 1/32 of the block maximum), so it serves where bf16 products are allowed;
-    the products and their sums are exact per block, then summed in float32."""
+    the products and their sums are exact per block, then summed in float32.
+
+    `int8`: the block rounded to integers of 1/127 of its largest value instead (error at
+    most 1/254 of it: llama.cpp's Q8 activations), one u8 x s8 product per weight where
+    the finer form takes two (csrc/vnni.c)."""
     m, k = x.shape
     if k != w.k:
         raise ValueError(f"x has {k} columns, the weight {w.k}")
     out = _output(out, m, w.n)
-    rc = _lib().pd_vnni_linear(w.qtype, _ptr(x, "x", torch.float32), k, m, k, w.panels.data_ptr(), w.n,
+    rc = _lib().pd_vnni_linear(w.qtype, int(int8), _ptr(x, "x", torch.float32), k, m, k, w.panels.data_ptr(), w.n,
                                out.data_ptr(), out.stride(0))
     if rc == PD_ENOMEM:
         raise MemoryError(f"pd_vnni_linear: out of memory for {m}x{k} activations")

@@ -129,7 +129,7 @@ def _vnni_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence
     VNNI reads as stored)."""
     if not gguf_vnni.available() or not all(native.vnni_reads(q, k) for q, _ in blocks):
         return None
-    return gguf_vnni.VnniLinear(blocks, k)
+    return gguf_vnni.VnniLinear(blocks, k, int8=gguf_vnni.int8_activations())
 
 
 def _vnni_stored_candidate(blocks: Sequence[tuple[int, torch.Tensor]],
@@ -156,10 +156,12 @@ def _int4_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence
     return gguf_int4.Int4Weight(blocks[0][1], blocks[0][0], k)
 
 
-# Tried in order against the kernel chosen so far, each under its kernel's name; each reads
-# the blocks at bf16-level accuracy (its activations are rounded), so only under "medium"
-# matmul precision. Each maker takes (blocks the native kernel reads, the file's own groups, K).
-_SMALL_CANDIDATES = ((gguf_vnni.VnniLinear.kind, _vnni_candidate), ("vnni_k", _vnni_stored_candidate),
+# Tried in order against the kernel chosen so far, each under its kernel's name (a str, or a
+# function giving it now: VNNI's names say whether it rounds activations to int8); each reads
+# the blocks at bf16-level accuracy (its activations are rounded; int8 only where asked for),
+# so only under "medium" matmul precision. Each maker takes (blocks the native kernel reads,
+# the file's own groups, K).
+_SMALL_CANDIDATES = ((gguf_vnni.kind, _vnni_candidate), (lambda: gguf_vnni.kind() + "_k", _vnni_stored_candidate),
                      (gguf_int4.Int4Weight.kind, _int4_candidate))
 # the small-batch contests ask only whether a candidate wins from the first row
 _FIRST_ROWS = (1, 2)
@@ -206,6 +208,7 @@ def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch
     if not dense_kernels.bf16_products_allowed():
         return best, name
     for kind, make in _SMALL_CANDIDATES:
+        kind = kind() if callable(kind) else kind
         contest = f"gguf-{types}|{name}|{kind}|{shape}"
         lost_before = crossover.known(contest, _FIRST_ROWS)
         if lost_before is not None and lost_before > 1:

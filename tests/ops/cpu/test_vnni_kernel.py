@@ -1,8 +1,8 @@
 """The AVX512-VNNI kernel for ggml weights (csrc/vnni.c) through native.pack_vnni /
 vnni_linear, against float64 matmuls on the dequantized weights, within the error its
 numerics allow: each 32-value block of an activation row is rounded to integers of
-1/8191 of its largest value (at most half a step, 1/16382 of the maximum, per value), the
-rest is exact integer arithmetic and float32 sums."""
+1/8191 of its largest value (at most half a step, 1/16382 of the maximum, per value), or of
+1/127 in the int8 form (1/254), the rest is exact integer arithmetic and float32 sums."""
 
 from __future__ import annotations
 
@@ -27,24 +27,26 @@ ALL_QTYPES = {**QTYPES, **K_QUANTS}
 K_QUANT_COLUMN_BYTES = {Q4_K: 148}
 
 
-def _expected(x: torch.Tensor, raw: torch.Tensor, qtype: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _expected(x: torch.Tensor, raw: torch.Tensor, qtype: int, int8: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """x @ W^T in float64, and the bound: the activation rounding (1/16382 of each block's
-    largest |x| times that block's sum of |w|), plus float32 summation."""
+    largest |x|, 1/254 with int8, times that block's sum of |w|), plus float32 summation."""
     n, k = raw.shape[0], x.shape[1]
     w = gguf_dequant.dequantize(raw, qtype, (n, k)).double()
     xd = x.double()
     block_max = xd.abs().view(-1, k // 32, 32).amax(-1)  # [M, K/32]
     w_block = w.abs().view(n, k // 32, 32).sum(-1)  # [N, K/32]
-    bound = 1.001 * (block_max / 16382) @ w_block.T + 2e-6 * (xd.abs() @ w.abs().T) + 1e-30
+    bound = 1.001 * (block_max / (254 if int8 else 16382)) @ w_block.T + 2e-6 * (xd.abs() @ w.abs().T) + 1e-30
     return xd @ w.T, bound
 
 
 @needs_vnni
+@pytest.mark.parametrize("int8", [False, True], ids=["14bit", "int8"])
 @pytest.mark.parametrize("name", QTYPES)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 32), (3, 40, 64), (8, 33, 96), (9, 576, 576), (17, 100, 96),
-                                          (2, 1, 32), (64, 48, 160)])
-def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k):
-    """Edges: columns not a multiple of the 16-column panel, rows not of the 8-row block,
+                                          (2, 1, 32), (64, 48, 160), (31, 24, 64)])
+def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k, int8):
+    """Edges: columns not a multiple of the 16-column panel, row counts that split into every
+    register block size (12 or 8, then 8, 4, 2, 1: 31 = 12 + 12 + 4 + 2 + 1 and 24 + 4 + 2 + 1),
     one-column and one-block weights."""
     qtype = QTYPES[name]
     gen = torch.Generator().manual_seed(qtype * 1000 + m * 100 + n + k)
@@ -52,17 +54,18 @@ def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k):
     x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).expand(m, k // 32, 32).reshape(m, k)
     w = native.pack_vnni(raw, qtype, k)
     assert w.nbytes == (n + 15) // 16 * 16 * k // 32 * BLOCK_BYTES[qtype], "the panels are not the file's bytes"
-    got = native.vnni_linear(x, w)
+    got = native.vnni_linear(x, w, int8=int8)
     assert got.shape == (m, n) and got.dtype == torch.float32
-    expected, bound = _expected(x, raw, qtype)
-    assert_close_to(got, expected, bound, f"{name} M={m} N={n} K={k}")
+    expected, bound = _expected(x, raw, qtype, int8)
+    assert_close_to(got, expected, bound, f"{name} M={m} N={n} K={k} int8={int8}")
 
 
 @needs_vnni
+@pytest.mark.parametrize("int8", [False, True], ids=["14bit", "int8"])
 @pytest.mark.parametrize("name", K_QUANTS)
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 256), (3, 40, 512), (8, 33, 256), (9, 100, 768), (17, 24, 256),
                                           (2, 1, 256)])
-def test_vnni_linear_reads_k_quants_as_stored(name, m, n, k):
+def test_vnni_linear_reads_k_quants_as_stored(name, m, n, k, int8):
     """Q4_K's codes and sub-block scales as the file holds them (4.625 bits per weight, against
     5 for its Q4_1 rewrite): the same error bound as the 32-value types, the weights
     themselves exact; edges of panels, row blocks and one column."""
@@ -72,8 +75,8 @@ def test_vnni_linear_reads_k_quants_as_stored(name, m, n, k):
     x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).expand(m, k // 32, 32).reshape(m, k)
     w = native.pack_vnni(raw, qtype, k)
     assert w.nbytes == (n + 15) // 16 * 16 * k // 256 * K_QUANT_COLUMN_BYTES[qtype], f"{name}: panel size"
-    expected, bound = _expected(x, raw, qtype)
-    assert_close_to(native.vnni_linear(x, w), expected, bound, f"{name} M={m} N={n} K={k}")
+    expected, bound = _expected(x, raw, qtype, int8)
+    assert_close_to(native.vnni_linear(x, w, int8=int8), expected, bound, f"{name} M={m} N={n} K={k} int8={int8}")
 
 
 @needs_vnni
@@ -103,9 +106,46 @@ def test_vnni_linear_writes_a_column_slice_and_nothing_else():
     assert (out[:, :10] == 7).all() and (out[:, 34:] == 7).all(), "columns outside the slice were written"
 
 
+def _offsets(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
+    """float64 [N, k]: the part of each weight the kernels multiply by the block's float sum
+    of x (Q4_1's m, Q4_K's -dmin * m: the value of code 0); zero where the offset is taken off
+    in integers (Q4_0's -8d, Q8_0)."""
+    n = raw.shape[0]
+    if qtype not in (Q4_1, Q4_K):
+        return torch.zeros(n, k, dtype=torch.float64)
+    block, codes_from = (20, 4) if qtype == Q4_1 else (144, 16)
+    zeroed = raw.clone()
+    zeroed.view(n, -1, block)[:, :, codes_from:] = 0
+    return gguf_dequant.dequantize(zeroed, qtype, (n, k)).double()
+
+
 @needs_vnni
 @pytest.mark.parametrize("name", ALL_QTYPES)
-def test_vnni_linear_keeps_nan_inf_and_zero_rows_apart(name):
+def test_vnni_linear_int8_rounds_like_llama_cpp(name):
+    """The int8 form is not the 14-bit one with a looser bound: its error is that of rounding
+    each block of x to 1/127 of its maximum (llama.cpp's Q8 activations) in the products with
+    the codes and nothing more (Q4_1's and Q4_K's offsets multiply the block's exact sum)."""
+    qtype = ALL_QTYPES[name]
+    gen = torch.Generator().manual_seed(7)
+    raw = random_blocks(qtype, 48, 256, gen)
+    x = torch.randn(13, 256, generator=gen)
+    blocks = x.view(13, 8, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(blocks / step) * step).view(13, 256)
+    scaled, bound = _expected(rounded, raw, qtype)  # the rounded x, with the 14-bit bound
+    expected = scaled + (x.double() - rounded.double()) @ _offsets(raw, qtype, 256).T
+    w = native.pack_vnni(raw, qtype, 256)
+    assert_close_to(native.vnni_linear(x, w, int8=True), expected, bound, f"{name}: int8 rounding")
+    exact, _ = _expected(x, raw, qtype)
+    int8_err = (native.vnni_linear(x, w, int8=True).double() - exact).abs().mean()
+    fine_err = (native.vnni_linear(x, w).double() - exact).abs().mean()
+    assert int8_err > 4 * fine_err, f"{name}: the int8 form is as close as the 14-bit one: did it round at all?"
+
+
+@needs_vnni
+@pytest.mark.parametrize("int8", [False, True], ids=["14bit", "int8"])
+@pytest.mark.parametrize("name", ALL_QTYPES)
+def test_vnni_linear_keeps_nan_inf_and_zero_rows_apart(name, int8):
     """A NaN or infinity in one row's block makes that row NaN and leaves the others as they
     were; an all-zero row gives zeros (its block scales are 0, not 0/0)."""
     qtype = ALL_QTYPES[name]
@@ -114,10 +154,10 @@ def test_vnni_linear_keeps_nan_inf_and_zero_rows_apart(name):
     raw = random_blocks(qtype, 20, k, gen)
     w = native.pack_vnni(raw, qtype, k)
     x = torch.randn(6, k, generator=gen)
-    clean = native.vnni_linear(x, w)
+    clean = native.vnni_linear(x, w, int8=int8)
     x[1, 40], x[3, k - 1] = float("nan"), float("inf")
     x[4] = 0
-    got = native.vnni_linear(x, w)
+    got = native.vnni_linear(x, w, int8=int8)
     assert got[[1, 3]].isnan().all(), f"{name}: a non-finite activation did not poison its row"
     assert torch.equal(got[[0, 2, 5]], clean[[0, 2, 5]]), f"{name}: a non-finite row changed other rows"
     assert torch.equal(got[4], torch.zeros(20)), f"{name}: an all-zero row is not zero"

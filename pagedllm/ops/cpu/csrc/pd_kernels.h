@@ -10,7 +10,7 @@
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear, pd_amx_linear_silu;
  *                  Q4_1 blocks dequantized into the tiles: pd_amx_q4_pack, pd_amx_q4_linear(_silu)
  *   bf16dot.c      the same tiles on AVX512-BF16 dot products: pd_has_bf16dot, pd_bf16dot_linear(_silu)
- *   vnni.c         ggml 4/8-bit weights x 14-bit integer activations on AVX512-VNNI (few rows):
+ *   vnni.c         ggml 4/8-bit weights x 14-bit (or, asked for, int8) integer activations on AVX512-VNNI:
  *                  pd_has_vnni, pd_vnni_packed_size, pd_vnni_pack, pd_vnni_linear
  *   lut4.c         4-bit codebook weights (bitsandbytes NF4 / FP4): pd_linear_lut4
  *   moe.c          a MoE layer's routed float32 experts in one call: pd_moe_f32
@@ -59,7 +59,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 13
+#define PD_ABI_VERSION 14
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
@@ -131,7 +131,7 @@ int pd_bf16dot_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, in
 int pd_has_vnni(void);
 int64_t pd_vnni_packed_size(int qtype, int64_t N, int64_t K);
 int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out);
-int pd_vnni_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
+int pd_vnni_linear(int qtype, int x8, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
                    float *y, int64_t ldy);
 int pd_linear_lut4(const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *lut,
                    const float *absmax, int64_t block, int64_t N, float *y, int64_t ldy);

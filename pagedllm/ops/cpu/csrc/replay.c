@@ -48,7 +48,7 @@ static const char *const KERNELS[][2] = {
     {"paged_attention_bf16", "pipppipppipiiiifif"},
     {"amx_linear", "piiiipippii"},
     {"bf16dot_linear", "piiiipippii"},
-    {"vnni_linear", "ipiiipipi"},
+    {"vnni_linear", "iipiiipipi"},
     {"gather_rows_bf16", "piipip"},
     {"amx_linear_silu", "piiiipippi"},
     {"bf16dot_linear_silu", "piiiipippi"},
@@ -110,7 +110,7 @@ int64_t pd_replay(const pd_call *calls, int64_t n, const int64_t *bases) {
             break;
         case 15: rc = pd_amx_linear(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9), I(10)); break;
         case 16: rc = pd_bf16dot_linear(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9), I(10)); break;
-        case 17: rc = pd_vnni_linear(I(0), P(1), I(2), I(3), I(4), P(5), I(6), P(7), I(8)); break;
+        case 17: rc = pd_vnni_linear(I(0), I(1), P(2), I(3), I(4), I(5), P(6), I(7), P(8), I(9)); break;
         case 18: rc = pd_gather_rows_bf16(P(0), I(1), I(2), P(3), I(4), P(5)); break;
         case 19: rc = pd_amx_linear_silu(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9)); break;
         case 20: rc = pd_bf16dot_linear_silu(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9)); break;

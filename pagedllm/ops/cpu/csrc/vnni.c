@@ -20,6 +20,11 @@
  * multiplies the block's float32 sum of x. A block holding NaN or infinity makes its row's
  * outputs NaN.
  *
+ * With x8 (pd_vnni_linear's int8 form, llama.cpp's numerics, asked for by the user) a block
+ * is rounded to X in [-127, 127] instead (s = block max / 127, error at most 1/254 of the
+ * block's largest value): one int8 operand, one VPDPBUSD per weight vector and row where
+ * the 14-bit form takes two, and half the accumulators, so 12 rows per register block.
+ *
  * Weight layout (pd_vnni_pack): 16-column panels; for each 32-value block of K, the codes
  * as 64-byte vectors whose 16 lanes are the columns and whose 4 bytes per lane are 4
  * consecutive k (VPDPBUSD's operand against a row's 4 activations broadcast). Q4 codes
@@ -42,7 +47,9 @@
 #define PD_VNNI 0
 #endif
 
-#define VN_MR 8 /* activation rows per register block */
+#define VN_MR 8   /* activation rows per register block (two int8 terms per activation) */
+#define VN_MR8 12 /* the same with one int8 term per activation (half the accumulators) */
+#define VN_MR_MAX 12
 
 static int vn_code_bytes(int qtype) { return qtype == PD_Q8_0 ? 512 : 256; }
 
@@ -172,8 +179,10 @@ int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *o
 #if PD_VNNI
 /* One row's blocks as int8 xh, xl [K] each, a float scale s per block, the block's float32
  * sum (Q4_1's offset term) and offset * sum(X) (Q4_0 / Q8_0's, taken off the int32 dot). */
-static void vn_quantize_row(const float *x, int64_t K, int offset, int8_t *xh, int8_t *xl, float *s, float *xsum,
-                            int32_t *xoff) {
+static inline __attribute__((always_inline)) void vn_quantize_row(int x8, const float *x, int64_t K, int offset,
+                                                                   int8_t *xh, int8_t *xl, float *s, float *xsum,
+                                                                   int32_t *xoff) {
+    const float top = x8 ? 127.0f : 8191.0f;
     const __m512 sign = _mm512_set1_ps(-0.0f);
     const __m512i low7 = _mm512_set1_epi32(127);
     for (int64_t blk = 0; blk < K / 32; blk++) {
@@ -181,11 +190,16 @@ static void vn_quantize_row(const float *x, int64_t K, int offset, int8_t *xh, i
         __mmask16 bad = _mm512_fpclass_ps_mask(a, 0x99) | _mm512_fpclass_ps_mask(b, 0x99); /* NaN, +-inf */
         float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a), _mm512_andnot_ps(sign, b)));
         xsum[blk] = _mm512_reduce_add_ps(_mm512_add_ps(a, b));
-        float inv = mx > 0.0f ? 8191.0f / mx : 0.0f;
-        s[blk] = bad ? NAN : mx / 8191.0f;
+        float inv = mx > 0.0f ? top / mx : 0.0f;
+        s[blk] = bad ? NAN : mx / top;
         __m512 vinv = _mm512_set1_ps(bad ? 0.0f : inv);
         __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vinv)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vinv));
         xoff[blk] = offset * _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));
+        if (x8) {
+            _mm_storeu_si128((__m128i *)(xh + 32 * blk), _mm512_cvtepi32_epi8(qa));
+            _mm_storeu_si128((__m128i *)(xh + 32 * blk + 16), _mm512_cvtepi32_epi8(qb));
+            continue;
+        }
         _mm_storeu_si128((__m128i *)(xh + 32 * blk), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qa, 7)));
         _mm_storeu_si128((__m128i *)(xh + 32 * blk + 16), _mm512_cvtepi32_epi8(_mm512_srai_epi32(qb, 7)));
         _mm_storeu_si128((__m128i *)(xl + 32 * blk), _mm512_cvtepi32_epi8(_mm512_and_si512(qa, low7)));
@@ -194,21 +208,22 @@ static void vn_quantize_row(const float *x, int64_t K, int offset, int8_t *xh, i
 }
 
 /* Scratch per activation row: xh, xl (K each), then per block s, xsum, xoff. */
-static inline int64_t vn_row_bytes(int64_t K) { return 2 * K + 12 * (K / 32); }
+static inline int64_t vn_row_bytes(int x8, int64_t K) { return (x8 ? K : 2 * K) + 12 * (K / 32); }
 
-/* y[m0 .. m0 + mr, columns 16 p ..] for one panel; mr is a constant at every call site,
- * so the 3 mr accumulators stay in registers. */
-static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, const uint8_t *panel, int64_t nblocks,
-                                                           const uint8_t *xq, int64_t K, int64_t m0, int64_t c0,
-                                                           __mmask16 mask, float *y, int64_t ldy) {
-    const int64_t rb = vn_row_bytes(K), rec = vn_record_bytes(qtype), cb = vn_code_bytes(qtype);
+/* y[m0 .. m0 + mr, columns 16 p ..] for one panel; qtype, x8 and mr are constants at every
+ * call site, so the 3 mr accumulators (2 mr with x8) stay in registers. */
+static inline __attribute__((always_inline)) void vn_block(int qtype, int x8, int mr, const uint8_t *panel,
+                                                           int64_t nblocks, const uint8_t *xq, int64_t K, int64_t m0,
+                                                           int64_t c0, __mmask16 mask, float *y, int64_t ldy) {
+    const int64_t rb = vn_row_bytes(x8, K), xb = x8 ? K : 2 * K;
+    const int64_t rec = vn_record_bytes(qtype), cb = vn_code_bytes(qtype);
     const __m512i nib = _mm512_set1_epi8(0x0F);
-    __m512 acc[VN_MR];
+    __m512 acc[VN_MR_MAX];
     for (int i = 0; i < mr; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nblocks; blk++) {
         const uint8_t *super = qtype == PD_Q4_K ? panel + blk / 8 * VN_Q4K_SUPER : panel; /* Q4_K: d, dmin, records */
         const uint8_t *r = qtype == PD_Q4_K ? super + 64 + blk % 8 * VN_Q4K_RECORD : panel + blk * rec;
-        __m512i ih[VN_MR], il[VN_MR];
+        __m512i ih[VN_MR_MAX], il[VN_MR_MAX];
         for (int i = 0; i < mr; i++) ih[i] = il[i] = _mm512_setzero_si512();
         for (int l = 0; l < (qtype == PD_Q8_0 ? 8 : 4); l++) {
             __m512i v = _mm512_loadu_si512((const void *)(r + 64 * l)), w0, w1 = v;
@@ -222,10 +237,11 @@ static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, co
                 const int8_t *xh = (const int8_t *)(xq + (m0 + i) * rb), *xl = xh + K;
                 int64_t k0 = 32 * blk + 4 * l;
                 ih[i] = _mm512_dpbusd_epi32(ih[i], w0, _mm512_set1_epi32(*(const int32_t *)(xh + k0)));
-                il[i] = _mm512_dpbusd_epi32(il[i], w0, _mm512_set1_epi32(*(const int32_t *)(xl + k0)));
+                if (!x8) il[i] = _mm512_dpbusd_epi32(il[i], w0, _mm512_set1_epi32(*(const int32_t *)(xl + k0)));
                 if (qtype != PD_Q8_0) {
                     ih[i] = _mm512_dpbusd_epi32(ih[i], w1, _mm512_set1_epi32(*(const int32_t *)(xh + k0 + 16)));
-                    il[i] = _mm512_dpbusd_epi32(il[i], w1, _mm512_set1_epi32(*(const int32_t *)(xl + k0 + 16)));
+                    if (!x8)
+                        il[i] = _mm512_dpbusd_epi32(il[i], w1, _mm512_set1_epi32(*(const int32_t *)(xl + k0 + 16)));
                 }
             }
         }
@@ -241,10 +257,10 @@ static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, co
             if (qtype == PD_Q4_1) mv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(r + cb + 32)));
         }
         for (int i = 0; i < mr; i++) {
-            const uint8_t *row = xq + (m0 + i) * rb + 2 * K;
+            const uint8_t *row = xq + (m0 + i) * rb + xb;
             const float *s = (const float *)row, *xsum = s + nblocks;
             const int32_t *xoff = (const int32_t *)(xsum + nblocks);
-            __m512i dotq = _mm512_add_epi32(_mm512_slli_epi32(ih[i], 7), il[i]);
+            __m512i dotq = x8 ? ih[i] : _mm512_add_epi32(_mm512_slli_epi32(ih[i], 7), il[i]);
             if (!vn_has_min(qtype)) dotq = _mm512_sub_epi32(dotq, _mm512_set1_epi32(xoff[blk]));
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dotq), _mm512_mul_ps(d, _mm512_set1_ps(s[blk])), acc[i]);
             if (vn_has_min(qtype)) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xsum[blk]), acc[i]);
@@ -253,60 +269,73 @@ static inline __attribute__((always_inline)) void vn_block(int qtype, int mr, co
     for (int i = 0; i < mr; i++) _mm512_mask_storeu_ps(y + (m0 + i) * ldy + c0, mask, acc[i]);
 }
 
-#define VN_ROWS(q)                                                                   \
+#define VN_CALL(q, x8, r) vn_block(q, x8, r, panel, nblocks, xq, K, m0, c0, mask, y, ldy)
+#define VN_ROWS(q, x8)                                                               \
     switch (mr) {                                                                    \
-    case 8: vn_block(q, 8, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
-    case 7: vn_block(q, 7, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
-    case 6: vn_block(q, 6, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
-    case 5: vn_block(q, 5, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
-    case 4: vn_block(q, 4, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
-    case 3: vn_block(q, 3, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
-    case 2: vn_block(q, 2, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;     \
-    default: vn_block(q, 1, panel, nblocks, xq, K, m0, c0, mask, y, ldy); break;    \
+    case VN_MR8: if (x8) VN_CALL(q, x8, VN_MR8); break; /* int8 terms only */    \
+    case 8: VN_CALL(q, x8, 8); break;                                                \
+    case 4: VN_CALL(q, x8, 4); break;                                                \
+    case 2: VN_CALL(q, x8, 2); break;                                                \
+    default: VN_CALL(q, x8, 1); break;                                               \
+    }
+#define VN_TYPES(x8)                                                                 \
+    if (qtype == PD_Q4_0) {                                                          \
+        VN_ROWS(PD_Q4_0, x8)                                                         \
+    } else if (qtype == PD_Q4_1) {                                                   \
+        VN_ROWS(PD_Q4_1, x8)                                                         \
+    } else if (qtype == PD_Q4_K) {                                                   \
+        VN_ROWS(PD_Q4_K, x8)                                                         \
+    } else {                                                                         \
+        VN_ROWS(PD_Q8_0, x8)                                                         \
     }
 #endif
 
-/* y[M, N] (row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T, W from pd_vnni_pack.
- * PD_EINVAL for a type or K it does not take or a build without AVX512-VNNI; PD_ENOMEM when
+/* y[M, N] (row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T, W from pd_vnni_pack;
+ * x8: activations rounded to int8 per block (the header's last numerics paragraph), else to
+ * 14-bit integers. PD_EINVAL for a type or K it does not take or a build without AVX512-VNNI; PD_ENOMEM when
  * the activations' scratch cannot be allocated. */
-int pd_vnni_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp, int64_t N,
-                   float *y, int64_t ldy) {
+int pd_vnni_linear(int qtype, int x8, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp,
+                   int64_t N, float *y, int64_t ldy) {
 #if PD_VNNI
     if (!vn_takes(qtype, K)) return PD_EINVAL;
     if (M <= 0 || N <= 0) return PD_OK;
-    int64_t nblocks = K / 32, rb = vn_row_bytes(K), panels = (N + 15) / 16, pbytes = vn_panel_bytes(qtype, K);
+    int64_t nblocks = K / 32, rb = vn_row_bytes(x8, K), panels = (N + 15) / 16, pbytes = vn_panel_bytes(qtype, K);
+    int block_rows = x8 ? VN_MR8 : VN_MR;
     uint8_t *xq = (uint8_t *)aligned_alloc(64, (size_t)((M * rb + 63) / 64 * 64));
     if (xq == NULL) return PD_ENOMEM;
     int offset = qtype == PD_Q4_0 ? 8 : qtype == PD_Q8_0 ? 128 : 0;
 #pragma omp parallel for schedule(static) if (M * K >= 65536)
     for (int64_t m = 0; m < M; m++) {
         uint8_t *row = xq + m * rb;
-        float *s = (float *)(row + 2 * K);
-        vn_quantize_row(x + m * ldx, K, offset, (int8_t *)row, (int8_t *)row + K, s, s + nblocks,
-                        (int32_t *)(s + 2 * nblocks));
+        float *s = (float *)(row + (x8 ? K : 2 * K));
+        if (x8)
+            vn_quantize_row(1, x + m * ldx, K, offset, (int8_t *)row, NULL, s, s + nblocks,
+                            (int32_t *)(s + 2 * nblocks));
+        else
+            vn_quantize_row(0, x + m * ldx, K, offset, (int8_t *)row, (int8_t *)row + K, s, s + nblocks,
+                            (int32_t *)(s + 2 * nblocks));
     }
 #pragma omp parallel for schedule(static) if (M * N * K >= 262144)
     for (int64_t p = 0; p < panels; p++) {
         const uint8_t *panel = wp + p * pbytes;
         int64_t c0 = 16 * p, cols = N - c0 < 16 ? N - c0 : 16;
         __mmask16 mask = (__mmask16)((1u << cols) - 1u);
-        for (int64_t m0 = 0; m0 < M; m0 += VN_MR) {
-            int mr = M - m0 < VN_MR ? (int)(M - m0) : VN_MR;
-            if (qtype == PD_Q4_0) {
-                VN_ROWS(PD_Q4_0)
-            } else if (qtype == PD_Q4_1) {
-                VN_ROWS(PD_Q4_1)
-            } else if (qtype == PD_Q4_K) {
-                VN_ROWS(PD_Q4_K)
+        /* rows in blocks of block_rows, then 8, 4, 2, 1 (7 rows: 4 + 2 + 1): the few block
+         * sizes keep the build small, and a block re-reads the panel from L1 */
+        for (int64_t m0 = 0, mr; m0 < M; m0 += mr) {
+            int64_t left = M - m0;
+            mr = left >= block_rows ? block_rows : left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            if (x8) {
+                VN_TYPES(1)
             } else {
-                VN_ROWS(PD_Q8_0)
+                VN_TYPES(0)
             }
         }
     }
     free(xq);
     return PD_OK;
 #else
-    (void)qtype, (void)x, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)y, (void)ldy;
+    (void)qtype, (void)x8, (void)x, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)y, (void)ldy;
     return PD_EINVAL;
 #endif
 }
