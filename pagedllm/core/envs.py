@@ -33,8 +33,9 @@ ENV_VARS: dict[str, EnvVar] = {
                "KV-cache size on the CPU in GiB when kv_cache_memory is not given (default 4)."),
         EnvVar("PAGEDLLM_CPU_KV_PREFAULT_MB", None,
                "MiB of the CPU KV cache (its first blocks, all layers) faulted in at start-up, so the first "
-               "requests' steps do not stall on page faults (default 256; 0: none, all faults happen as "
-               "blocks are first written)."),
+               "requests' steps do not stall on page faults (default 256, and a serving engine faults in the "
+               "rest while idle, a few MiB at a time; set: that many MiB and nothing while idle; 0: none, all "
+               "faults happen as blocks are first written)."),
         EnvVar("PAGEDLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND",
                "CPU engines: auto (default: a thread per available CPU), nobind (keep the environment's "
                "threads and affinity), or a CPU list such as 0-3 to pin the process there."),
