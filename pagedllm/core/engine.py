@@ -496,7 +496,8 @@ SETTLE_LIMIT_S = 0.02  # the longest an idle engine waits for a burst to finish 
 # KV cache bytes an idle engine faults in per turn: ~2 huge pages, ~10 ms where a fresh one
 # costs ~5 ms, the longest a request arriving meanwhile waits for it
 IDLE_FAULT_IN_BYTES = 4 << 20
-IDLE_PAUSE_S = 0.005  # ... and the pause between two turns (the other threads and processes run)
+IDLE_PAUSE_S = 0.005  # ... the pause between two turns (the other threads and processes run) ...
+IDLE_WORK_AFTER_S = 0.2  # ... and how long the engine must have been idle before the first
 SETTLE_QUIET_ROUNDS = 3  # ... and how many rounds of event-loop turns must bring no request
 
 
@@ -694,15 +695,20 @@ class AsyncLLMEngine:
                                for request_id in list(self._streams)])
 
     def _loop(self) -> None:
-        idle = True
+        idle, idle_since = True, time.monotonic()
         while not self._stopped:
             self._apply_commands()
             if not self.engine.has_unfinished_requests():
                 self.engine.check_health()
-                more = self.engine.idle_work()
-                self._wake.wait(timeout=IDLE_PAUSE_S if more else 0.5)
+                if not idle:
+                    idle, idle_since = True, time.monotonic()
+                quiet = time.monotonic() - idle_since
+                if quiet < IDLE_WORK_AFTER_S:  # a pause between two bursts is no time for it
+                    timeout = IDLE_WORK_AFTER_S - quiet
+                else:
+                    timeout = IDLE_PAUSE_S if self.engine.idle_work() else 0.5
+                self._wake.wait(timeout=timeout)
                 self._wake.clear()
-                idle = True
                 continue
             if idle:  # the first step after a pause: let a burst of requests finish arriving
                 idle = False
