@@ -42,7 +42,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # linked into one library
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 14  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 15  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-fno-math-errno"]  # compiling each source
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 
@@ -87,10 +87,10 @@ _SIGNATURES = {
     "pd_amx_pack": (None, [_p, _i64, _i64, _p]),
     "pd_amx_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
     "pd_amx_linear_silu": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
-    "pd_amx_q4_packed_size": (_i64, [_i64, _i64]),
-    "pd_amx_q4_pack": (_i32, [_p, _i64, _i64, _p]),
-    "pd_amx_q4_linear": (_i32, [_p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
-    "pd_amx_q4_linear_silu": (_i32, [_p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
+    "pd_amx_qt_packed_size": (_i64, [_i32, _i64, _i64]),
+    "pd_amx_qt_pack": (_i32, [_i32, _p, _i64, _i64, _p]),
+    "pd_amx_qt_linear": (_i32, [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
+    "pd_amx_qt_linear_silu": (_i32, [_i32, _p, _i64, _i64, _i64, _p, _i64, _p, _i64]),
     "pd_has_bf16dot": (_i32, []),
     "pd_bf16dot_linear": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i32, _i64]),
     "pd_bf16dot_linear_silu": (_i32, [_p, _i32, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
@@ -710,40 +710,46 @@ def bf16_tiles_silu_and_mul(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | 
     return out.view(*lead, half)
 
 
-@dataclass(frozen=True)
-class Q4Tiles:
-    """A Q4_1 [N, K] matrix repacked for `q4_tiles_linear` (layout: csrc/amx.c), as many bytes
-    as its blocks: dequantized into AMX tiles inside the GEMM."""
+# ggml block types the AMX quantized tiles read (csrc/amx.c)
+QUANT_TILE_QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 
+
+@dataclass(frozen=True)
+class QuantTiles:
+    """A Q4_0 / Q4_1 / Q8_0 [N, K] matrix repacked for `quant_tiles_linear` (layout: csrc/amx.c),
+    as many bytes as its blocks: dequantized into AMX tiles inside the GEMM."""
+
+    qtype: int
     n: int
     k: int
-    tiles: torch.Tensor  # uint8 [pd_amx_q4_packed_size]
+    tiles: torch.Tensor  # uint8 [pd_amx_qt_packed_size]
 
     @property
     def nbytes(self) -> int:
         return self.tiles.numel()
 
 
-def q4_tiles_fit(qtype: int, n: int, k: int) -> bool:
-    """Whether `pack_q4_tiles` takes a weight: Q4_1 blocks, N a multiple of 16, AMX here."""
-    return qtype == 3 and n % 16 == 0 and k % 32 == 0 and amx_available()
+def quant_tiles_fit(qtype: int, n: int, k: int) -> bool:
+    """Whether `pack_quant_tiles` takes a weight: a `QUANT_TILE_QTYPES` type, N a multiple of
+    16, AMX here."""
+    return qtype in QUANT_TILE_QTYPES and n % 16 == 0 and k % 32 == 0 and amx_available()
 
 
-def pack_q4_tiles(raw: torch.Tensor, k: int) -> Q4Tiles:
-    """Q4_1 blocks (uint8 [N, K / 32 * 20]) repacked for `q4_tiles_linear`."""
-    _check_raw(raw, 3, k)
+def pack_quant_tiles(raw: torch.Tensor, qtype: int, k: int) -> QuantTiles:
+    """ggml blocks (uint8 [N, bytes per row]) repacked for `quant_tiles_linear`."""
+    _check_raw(raw, qtype, k)
     n = raw.shape[0]
-    if not q4_tiles_fit(3, n, k):
-        raise ValueError(f"pack_q4_tiles: a {n} x {k} Q4_1 weight does not fit the AMX Q4 tiles here "
-                         "(check q4_tiles_fit() first)")
-    tiles = torch.empty(kernels().pd_amx_q4_packed_size(n, k), dtype=torch.uint8)
-    if kernels().pd_amx_q4_pack(raw.contiguous().data_ptr(), n, k, tiles.data_ptr()) != PD_OK:
-        raise ValueError(f"pack_q4_tiles: the kernel refused a {n} x {k} weight")
-    return Q4Tiles(n, k, tiles)
+    if not quant_tiles_fit(qtype, n, k):
+        raise ValueError(f"pack_quant_tiles: a {n} x {k} {SUPPORTED_QTYPES.get(qtype, qtype)} weight does not fit "
+                         "the AMX quantized tiles here (check quant_tiles_fit() first)")
+    tiles = torch.empty(kernels().pd_amx_qt_packed_size(qtype, n, k), dtype=torch.uint8)
+    if kernels().pd_amx_qt_pack(qtype, raw.contiguous().data_ptr(), n, k, tiles.data_ptr()) != PD_OK:
+        raise ValueError(f"pack_quant_tiles: the kernel refused a {n} x {k} weight")
+    return QuantTiles(qtype, n, k, tiles)
 
 
-def q4_tiles_linear(x: torch.Tensor, w: Q4Tiles, out: torch.Tensor | None = None,
-                    silu_and_mul: bool = False) -> torch.Tensor:
+def quant_tiles_linear(x: torch.Tensor, w: QuantTiles, out: torch.Tensor | None = None,
+                       silu_and_mul: bool = False) -> torch.Tensor:
     """x float32 [M, K] (rows contiguous) @ W^T -> float32 [M, N]: bf16 products of x rounded to
     bf16 and W's blocks dequantized in float32 and rounded to bf16, float32 sums; equal to
     `bf16_tiles_linear` on `pack_bf16_tiles` of W's float32 dequantization. With
@@ -755,12 +761,12 @@ def q4_tiles_linear(x: torch.Tensor, w: Q4Tiles, out: torch.Tensor | None = None
         raise ValueError(f"silu_and_mul: the gate and up halves of {w.n} rows are not whole 16-column strips")
     m = x.shape[0]
     out = _output(out, m, w.n // 2 if silu_and_mul else w.n)
-    kernel = _lib().pd_amx_q4_linear_silu if silu_and_mul else _lib().pd_amx_q4_linear
-    rc = kernel(x.data_ptr(), x.stride(0), m, w.k, w.tiles.data_ptr(), w.n, out.data_ptr(), out.stride(0))
+    kernel = _lib().pd_amx_qt_linear_silu if silu_and_mul else _lib().pd_amx_qt_linear
+    rc = kernel(w.qtype, x.data_ptr(), x.stride(0), m, w.k, w.tiles.data_ptr(), w.n, out.data_ptr(), out.stride(0))
     if rc == PD_ENOMEM:
-        raise MemoryError(f"q4_tiles_linear: out of memory for {m} x {w.k} activations")
+        raise MemoryError(f"quant_tiles_linear: out of memory for {m} x {w.k} activations")
     if rc != PD_OK:
-        raise RuntimeError("q4_tiles_linear: this process has no AMX tiles (check q4_tiles_fit() first)")
+        raise RuntimeError("quant_tiles_linear: this process has no AMX tiles (check quant_tiles_fit() first)")
     return out
 
 

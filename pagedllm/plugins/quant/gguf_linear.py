@@ -18,6 +18,7 @@ Two modes (`GGUFConfig.keep_dense`):
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 from typing import Any, Sequence
@@ -32,7 +33,7 @@ from pagedllm.core.contracts import EmbeddingMethod, LinearMethod, MoEMethod, Qu
 from pagedllm.ops.cpu import crossover, dense as dense_kernels, native
 from pagedllm.plugins.quant import gguf_blocks32, gguf_int4, gguf_vnni
 from pagedllm.plugins.quant.gguf_dequant import dequantize
-from pagedllm.plugins.quant.gguf_file import Q4_1 as GGML_Q4_1, check_supported, type_name
+from pagedllm.plugins.quant.gguf_file import Q8_0 as GGML_Q8_0, check_supported, type_name
 
 logger = logging.getLogger("pagedllm")
 
@@ -117,10 +118,10 @@ def _takes_native(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
     return not layer.gguf_has_dense or (x.dtype == torch.float32 and rows < layer.gguf_native_below)
 
 
-def _takes_q4(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
-    """Whether this call multiplies from the Q4 tiles: float32 batches in their measured range."""
-    return layer.gguf_q4 is not None and x.dtype == torch.float32 and \
-        layer.gguf_native_below <= rows < layer.gguf_q4_below
+def _takes_tiles(layer: nn.Module, x: torch.Tensor, rows: int) -> bool:
+    """Whether this call multiplies from the quantized tiles: float32 batches in their measured range."""
+    return layer.gguf_tiles is not None and x.dtype == torch.float32 and \
+        layer.gguf_native_below <= rows < layer.gguf_tiles_below
 
 
 def _vnni_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence[tuple[int | None, torch.Tensor]],
@@ -244,49 +245,55 @@ def _dense_contender(dense_fn, weight: torch.Tensor) -> crossover.Contender:
     return crossover.Contender(packed(dense_fn), lambda: packed(ops.pack_linear(weight)), dense_fn.nbytes)
 
 
-# Row counts the Q4-tiles kernel is timed at against the dense copy: it reads a quarter of the
-# bf16 copy's bytes but dequantizes every tile, so it wins at decode batch sizes and loses at
-# prefill sizes (on a 2-vCPU Xeon with AMX, SmolLM2's layers at 16 / 32 / 64 / 128 / 1,024 rows:
-# 1.57 / 1.39 / 1.27 / 1.28 / 0.88x the bf16 tiles' time); where it still wins at the last
+# Row counts the quantized-tiles kernel is timed at against the dense copy: it reads a quarter
+# (Q4) or about half (Q8_0) of the bf16 copy's bytes but dequantizes every tile, so it wins at
+# decode batch sizes and loses at prefill sizes (on a 2-vCPU Xeon with AMX, SmolLM2's Q4_1 layers
+# at 16 / 32 / 64 / 128 / 1,024 rows: 1.57 / 1.39 / 1.27 / 1.28 / 0.88x the bf16 tiles' time; its
+# Q8_0 lm_head 1.35 / 1.22 / 1.15 / 1.11x at 16-128 rows); where it still wins at the last
 # count, it serves up to twice that. Against the small-batch kernel it is timed from 2 rows
 # (one row fills a sixteenth of a tile): there it won from 4-8 rows.
-Q4_TILES_CANDIDATES = (16, 32, 64, 128)
-Q4_TILES_FROM_CANDIDATES = (2, 4, 8, 16, 32, 64)
+TILES_CANDIDATES = (16, 32, 64, 128)
+TILES_FROM_CANDIDATES = (2, 4, 8, 16, 32, 64)
 
 
-def _q4_tiles_range(layer: nn.Module, types: str, shape: str, joined: Sequence[tuple[int | None, torch.Tensor]],
-                    k: int, small: crossover.Contender, small_name: str, dense_side: crossover.Contender) -> bool:
-    """Between the small-batch kernel and the dense copy: the Q4_1 blocks dequantized into AMX
-    tiles inside the GEMM (`native.q4_tiles_linear`; its results equal the dense copy's bf16
-    tiles), for the rows where it measured faster than both. Sets `layer.gguf_q4` and its
-    range [`gguf_native_below`, `gguf_q4_below`) and returns True, or leaves the layer as it
-    was (False: the small kernel's crossover with the dense copy is still to measure)."""
-    rows = sum(layer.gguf_output_sizes)
-    if len(joined) != 1 or joined[0][0] != GGML_Q4_1 or not native.q4_tiles_fit(GGML_Q4_1, rows, k) \
-            or not dense_kernels.bf16_products_allowed():
+def _quant_tiles_range(layer: nn.Module, types: str, shape: str, blocks: Sequence[tuple[int, torch.Tensor]] | None,
+                       k: int, small: crossover.Contender, small_name: str, dense_side: crossover.Contender,
+                       dense_kind: str) -> bool:
+    """Between the small-batch kernel and the dense copy: the blocks the native kernels read
+    (`blocks`, one group of Q4_0, Q4_1 or Q8_0) dequantized into AMX tiles inside the GEMM
+    (`native.quant_tiles_linear`; its results equal the dense copy's bf16 tiles where the blocks
+    are the file's own), for the rows where it measured faster than both. Sets
+    `layer.gguf_tiles` and its range [`gguf_native_below`, `gguf_tiles_below`) and returns
+    True, or leaves the layer as it was (False: the small kernel's crossover with the dense
+    copy is still to measure)."""
+    if blocks is None or len(blocks) != 1 or not dense_kernels.bf16_products_allowed():
         return False
-    above, below = f"gguf-{types}|{small_name}|amx-q4|{shape}", f"gguf-{types}|amx-q4|{layer.gguf_dense.kind}|{shape}"
-    known_above = crossover.known(above, Q4_TILES_FROM_CANDIDATES)
-    known_below = crossover.known(below, Q4_TILES_CANDIDATES)
+    qtype, raw = blocks[0]
+    if not native.quant_tiles_fit(qtype, raw.shape[0], k):
+        return False
+    tile = "amx-q8" if qtype == GGML_Q8_0 else "amx-q4"
+    above, below = f"gguf-{types}|{small_name}|{tile}|{shape}", f"gguf-{types}|{tile}|{dense_kind}|{shape}"
+    known_above = crossover.known(above, TILES_FROM_CANDIDATES)
+    known_below = crossover.known(below, TILES_CANDIDATES)
     if known_above is not None and known_below is not None and known_above >= known_below:
         return False  # measured on this machine before: it serves no batch size
-    q4 = native.pack_q4_tiles(joined[0][1], k)
+    tiles = native.pack_quant_tiles(raw, qtype, k)
 
-    def kernel_on(w: native.Q4Tiles) -> crossover.Kernel:
-        return lambda x: native.q4_tiles_linear(x.reshape(-1, k).contiguous(), w)
+    def kernel_on(w: native.QuantTiles) -> crossover.Kernel:
+        return lambda x: native.quant_tiles_linear(x.reshape(-1, k).contiguous(), w)
 
-    side = crossover.Contender(kernel_on(q4), lambda: kernel_on(native.Q4Tiles(q4.n, q4.k, q4.tiles.clone())),
-                               q4.nbytes)
-    first = crossover.rows_from(above, small, side, k, candidates=Q4_TILES_FROM_CANDIDATES)
-    last = crossover.rows_from(below, side, dense_side, k, candidates=Q4_TILES_CANDIDATES)
-    last = min(last, 2 * Q4_TILES_CANDIDATES[-1])
+    side = crossover.Contender(kernel_on(tiles), lambda: kernel_on(dataclasses.replace(tiles, tiles=tiles.tiles.clone())),
+                               tiles.nbytes)
+    first = crossover.rows_from(above, small, side, k, candidates=TILES_FROM_CANDIDATES)
+    last = crossover.rows_from(below, side, dense_side, k, candidates=TILES_CANDIDATES)
+    last = min(last, 2 * TILES_CANDIDATES[-1])
     side.copies.clear()
     if first >= last:
         return False
-    layer.gguf_q4 = q4
-    layer.register_parameter("qweight_amx_q4", nn.Parameter(q4.tiles, requires_grad=False))
-    layer.gguf_native_below, layer.gguf_q4_below = first, last
-    logger.debug("%s: Q4 tiles serve %d-%d rows", layer.prefix, first, last - 1)
+    layer.gguf_tiles = tiles
+    layer.register_parameter("qweight_amx_tiles", nn.Parameter(tiles.tiles, requires_grad=False))
+    layer.gguf_native_below, layer.gguf_tiles_below = first, last
+    logger.debug("%s: %s tiles serve %d-%d rows", layer.prefix, type_name(qtype), first, last - 1)
     return True
 
 
@@ -318,8 +325,8 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_native_below = 0  # batches of fewer rows read the blocks (with a dense copy)
         layer.gguf_gemm_from = crossover.NEVER  # keep-quantized: rows from which the blocks run as a GEMM
         layer.gguf_small = None  # the VNNI or int4 kernel, where one beat the native one for single rows
-        layer.gguf_q4 = None  # Q4_1 blocks as AMX Q4 tiles, for batches from gguf_native_below ...
-        layer.gguf_q4_below = 0  # ... to this many rows (where they measured faster than both)
+        layer.gguf_tiles = None  # the blocks as AMX quantized tiles, for batches from gguf_native_below ...
+        layer.gguf_tiles_below = 0  # ... to this many rows (where they measured faster than both)
 
     @staticmethod
     def _load_shard(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -392,19 +399,19 @@ class GGUFLinearMethod(LinearMethod):
             if name != "native":
                 _keep_small_kernel(layer, small.kernel, name)
             dense_side = _dense_contender(layer.gguf_dense, weight)
-            if not _q4_tiles_range(layer, types, shape, joined, k, small, name, dense_side):
+            if not _quant_tiles_range(layer, types, shape, blocks, k, small, name, dense_side, layer.gguf_dense.kind):
                 layer.gguf_native_below = crossover.rows_from(
                     f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_dense.kind}|{shape}", small,
                     dense_side, k)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // layer.gguf_input_size
-        takes_q4 = _takes_q4(layer, x, rows)
-        if takes_q4 or _takes_native(layer, x, rows):
+        takes_tiles = _takes_tiles(layer, x, rows)
+        if takes_tiles or _takes_native(layer, x, rows):
             x2 = x.reshape(rows, layer.gguf_input_size).float()  # the kernels take float32 activations
             # with a dense copy, the blocks serve only batches below the measured crossovers
-            if takes_q4:
-                out = native.q4_tiles_linear(x2.contiguous(), layer.gguf_q4)
+            if takes_tiles:
+                out = native.quant_tiles_linear(x2.contiguous(), layer.gguf_tiles)
             else:
                 out = layer.gguf_small(x2) if layer.gguf_small is not None else _native_linear(layer, x2)
             if bias is not None:
@@ -421,10 +428,10 @@ class GGUFLinearMethod(LinearMethod):
 
     def apply_silu_and_mul(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
         rows = x.numel() // layer.gguf_input_size
-        if _takes_q4(layer, x, rows):  # fused where the halves are whole strips (the Q4 tiles add no bias)
-            if layer.gguf_q4.n % 32 or bias is not None:
+        if _takes_tiles(layer, x, rows):  # fused where the halves are whole strips (the tiles add no bias)
+            if layer.gguf_tiles.n % 32 or bias is not None:
                 return None
-            out = native.q4_tiles_linear(x.reshape(rows, layer.gguf_input_size).contiguous(), layer.gguf_q4,
+            out = native.quant_tiles_linear(x.reshape(rows, layer.gguf_input_size).contiguous(), layer.gguf_tiles,
                                          silu_and_mul=True)
             return out.view(*x.shape[:-1], out.shape[-1])
         if layer.gguf_dense is None or _takes_native(layer, x, rows):
@@ -475,6 +482,8 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
         layer.gguf_head = None  # ops.pack_linear of the dense copy, for logits
         layer.gguf_native_below = 0  # logits of fewer rows come from the blocks (with a dense copy)
         layer.gguf_small = None  # the VNNI kernel, where it beat the native one for single rows
+        layer.gguf_tiles = None  # the blocks as AMX quantized tiles, for logits of gguf_native_below ...
+        layer.gguf_tiles_below = 0  # ... to this many rows (where they measured faster than both)
 
     @staticmethod
     def _load(layer: nn.Module, param: torch.Tensor, loaded: torch.Tensor, shard: int | None) -> None:
@@ -520,9 +529,12 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
                 small, name = _small_rows_kernel(types, shape, blocks, hidden, native_side, [(qtype, raw)])
                 if name != "native":
                     _keep_small_kernel(layer, small.kernel, name)
-                layer.gguf_native_below = crossover.rows_from(
-                    f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_head.kind}|{shape}",
-                    small, _dense_contender(layer.gguf_head, layer.weight), hidden)
+                dense_side = _dense_contender(layer.gguf_head, layer.weight)
+                if not _quant_tiles_range(layer, types, shape, blocks, hidden, small, name, dense_side,
+                                          layer.gguf_head.kind):
+                    layer.gguf_native_below = crossover.rows_from(
+                        f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_head.kind}|{shape}",
+                        small, dense_side, hidden)
         else:
             del layer.weight
             layer.gguf_has_dense = False
@@ -542,6 +554,8 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
     def logits(self, layer, x):
         rows = x.numel() // layer.gguf_shape[1]
         packed = layer.gguf_packed
+        if _takes_tiles(layer, x, rows):
+            return native.quant_tiles_linear(x.reshape(rows, -1).contiguous(), layer.gguf_tiles)
         if _takes_native(layer, x, rows):  # float32 activations for the kernels
             x2 = x.reshape(rows, -1).float().contiguous()
             out = layer.gguf_small(x2) if layer.gguf_small is not None else native.linear(x2, packed)

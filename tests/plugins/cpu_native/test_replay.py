@@ -257,7 +257,7 @@ def test_every_kernel_replayed_in_c_takes_the_arguments_ctypes_passes():
     forward = {"pd_rms_norm", "pd_silu_mul", "pd_rope_neox", "pd_gather_rows", "pd_gather_rows_bf16", "pd_argmax_rows",
                "pd_write_kv", "pd_write_kv_bf16", "pd_paged_attention", "pd_paged_attention_bf16", "pd_linear_packed",
                "pd_linear_packed_gemm", "pd_linear_lut4", "pd_sgemm", "pd_moe_f32", "pd_amx_linear",
-               "pd_amx_linear_silu", "pd_amx_q4_linear", "pd_amx_q4_linear_silu", "pd_bf16dot_linear",
+               "pd_amx_linear_silu", "pd_amx_qt_linear", "pd_amx_qt_linear_silu", "pd_bf16dot_linear",
                "pd_bf16dot_linear_silu", "pd_vnni_linear", "pd_dequantize"}
     assert replayed == forward, replayed ^ forward
 

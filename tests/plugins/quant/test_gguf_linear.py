@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from pagedllm.ops.cpu import crossover
 from pagedllm.plugins.quant import gguf_linear
 
@@ -71,10 +73,22 @@ def test_an_untied_input_embedding_builds_nothing_for_logits():
     assert tied.gguf_head is not None, "a tied embedding lost its logits head"
 
 
-def _q4_1_linear(monkeypatch, first: int, last: int, rows: int = 64, cols: int = 96):
-    """A GGUF Q4_1 linear layer (keep_dense), processed under "medium" precision with every
-    crossover faked: the small-batch kernel -> dense copy at 1 row, small -> Q4 tiles at
-    `first`, Q4 tiles -> dense at `last`."""
+def _fake_tile_crossovers(monkeypatch, first: int, last: int, asked: list | None = None) -> None:
+    """Every crossover faked: the small-batch kernel -> dense copy at 1 row, small -> tiles at
+    `first`, tiles -> dense at `last` (the contests' names go to `asked`)."""
+    def rows_from(what, small, large, k, candidates=crossover.CANDIDATES):
+        if asked is not None:
+            asked.append(what)
+        kernels = what.split("|")  # "gguf-q4_1|<small>|<large>|<shape>" or "dense-f32|amx-bf16|<shape>"
+        return last if kernels[1].startswith("amx-q") else first if kernels[2].startswith("amx-q") else 1
+
+    monkeypatch.setattr(crossover, "known", lambda what, candidates=crossover.CANDIDATES: None)
+    monkeypatch.setattr(crossover, "rows_from", rows_from)
+
+
+def _q4_1_linear(monkeypatch, first: int, last: int, rows: int = 64, cols: int = 96, qtype: int | None = None):
+    """A GGUF linear layer of Q4_1 (or `qtype`) blocks (keep_dense), processed under "medium"
+    precision with every crossover faked (`_fake_tile_crossovers`)."""
     import torch
     from torch import nn
 
@@ -82,18 +96,14 @@ def _q4_1_linear(monkeypatch, first: int, last: int, rows: int = 64, cols: int =
     from pagedllm.plugins.quant.gguf_file import Q4_1
     from tests._ggml_blocks import random_blocks
 
-    def rows_from(what, small, large, k, candidates=crossover.CANDIDATES):
-        kernels = what.split("|")  # "gguf-q4_1|<small>|<large>|<shape>" or "dense-f32|amx-bf16|<shape>"
-        return last if kernels[1] == "amx-q4" else first if kernels[2] == "amx-q4" else 1
-
-    monkeypatch.setattr(crossover, "known", lambda what, candidates=crossover.CANDIDATES: None)
-    monkeypatch.setattr(crossover, "rows_from", rows_from)
+    qtype = Q4_1 if qtype is None else qtype
+    _fake_tile_crossovers(monkeypatch, first, last)
     layer = nn.Module()
     layer.prefix = "model.layers.0.mlp.down_proj"
     method = gguf_linear.GGUFLinearMethod(keep_dense=True)
     method.create_weights(layer, cols, [rows], torch.float32)
-    raw = random_blocks(Q4_1, rows, cols, torch.Generator().manual_seed(3))
-    layer.weight.weight_loader(layer.weight, gguf_linear.tag_raw(raw, Q4_1), None)
+    raw = random_blocks(qtype, rows, cols, torch.Generator().manual_seed(3))
+    layer.weight.weight_loader(layer.weight, gguf_linear.tag_raw(raw, qtype), None)
     with ops.matmul_precision("medium"):
         method.process_after_loading(layer)
     return layer, method
@@ -104,41 +114,67 @@ def _needs_amx():
 
     from pagedllm.ops.cpu import features, native
     if not native.available() or not native.amx_available() or not features.detect().native_bf16:
-        pytest.skip("the Q4 tiles kernel runs on AMX tiles only")
+        pytest.skip("the quantized tiles kernel runs on AMX tiles only")
 
 
-def test_q4_tiles_serve_the_rows_between_the_small_kernel_and_the_dense_copy(monkeypatch):
-    """Below `first` rows the small-batch kernel, from `first` to `last` the Q4 tiles (equal
-    to the dense copy's bf16 tiles, value for value, the fused gate/up activation too), from
-    `last` the dense copy; the Q4 tiles are a parameter of the layer."""
+@pytest.mark.parametrize("qtype_name", ["Q4_1", "Q4_0", "Q8_0"])
+def test_quant_tiles_serve_the_rows_between_the_small_kernel_and_the_dense_copy(monkeypatch, qtype_name):
+    """Below `first` rows the small-batch kernel, from `first` to `last` the quantized tiles
+    (equal to the dense copy's bf16 tiles, value for value, the fused gate/up activation too),
+    from `last` the dense copy; the tiles are a parameter of the layer."""
     import torch
 
     from pagedllm.ops.cpu import native
+    from pagedllm.plugins.quant import gguf_file
 
     _needs_amx()
-    layer, method = _q4_1_linear(monkeypatch, first=4, last=32)
-    assert layer.gguf_q4 is not None and layer.gguf_native_below == 4 and layer.gguf_q4_below == 32
-    assert "qweight_amx_q4" in dict(layer.named_parameters())
+    layer, method = _q4_1_linear(monkeypatch, first=4, last=32, qtype=getattr(gguf_file, qtype_name))
+    assert layer.gguf_tiles is not None and layer.gguf_native_below == 4 and layer.gguf_tiles_below == 32
+    assert "qweight_amx_tiles" in dict(layer.named_parameters())
     calls = []
-    real = native.q4_tiles_linear
+    real = native.quant_tiles_linear
     def counted(x, w, out=None, silu_and_mul=False):
         calls.append(x.shape[0])
         return real(x, w, out, silu_and_mul)
 
-    monkeypatch.setattr(native, "q4_tiles_linear", counted)
+    monkeypatch.setattr(native, "quant_tiles_linear", counted)
     gen = torch.Generator().manual_seed(4)
     for rows in (1, 3, 4, 17, 31, 32, 40):
         x = torch.randn(rows, 96, generator=gen)
         got = method.apply(layer, x, None)
         if 4 <= rows < 32:
-            assert torch.equal(got, layer.gguf_dense(x, None)), f"{rows} rows: Q4 tiles differ from the dense copy"
+            assert torch.equal(got, layer.gguf_dense(x, None)), f"{rows} rows: the tiles differ from the dense copy"
             fused = method.apply_silu_and_mul(layer, x, None)
-            assert torch.equal(fused, layer.gguf_dense.silu_and_mul(x, None)), f"{rows} rows: fused Q4 tiles differ"
-    assert calls == [4, 4, 17, 17, 31, 31], f"Q4 tiles served {calls}"
+            assert torch.equal(fused, layer.gguf_dense.silu_and_mul(x, None)), f"{rows} rows: fused tiles differ"
+    assert calls == [4, 4, 17, 17, 31, 31], f"the tiles served {calls}"
 
 
-def test_q4_tiles_that_never_win_are_dropped(monkeypatch):
+def test_quant_tiles_that_never_win_are_dropped(monkeypatch):
     _needs_amx()
     layer, _ = _q4_1_linear(monkeypatch, first=32, last=16)
-    assert layer.gguf_q4 is None and "qweight_amx_q4" not in dict(layer.named_parameters())
+    assert layer.gguf_tiles is None and "qweight_amx_tiles" not in dict(layer.named_parameters())
     assert layer.gguf_native_below == 1, "the small kernel's crossover with the dense copy stays as measured"
+
+
+def test_q8_0_head_logits_come_from_the_tiles_in_their_range(monkeypatch):
+    """A tied Q8_0 embedding's logits (SmolLM2's head): the small-batch kernel below `first`
+    rows, the Q8_0 tiles (contests named amx-q8, values equal to the dense head's bf16 tiles)
+    up to `last`, the dense head above."""
+    import torch
+
+    from pagedllm import ops
+
+    _needs_amx()
+    asked = []
+    _fake_tile_crossovers(monkeypatch, first=4, last=32, asked=asked)
+    with ops.matmul_precision("medium"):
+        head, method, _ = _gguf_embedding(serves_logits=True, vocab=96, hidden=64)
+    assert head.gguf_tiles is not None and head.gguf_native_below == 4 and head.gguf_tiles_below == 32
+    assert any("|amx-q8|" in what for what in asked), asked
+    gen = torch.Generator().manual_seed(8)
+    for rows in (2, 4, 20, 32):
+        x = torch.randn(rows, 64, generator=gen)
+        got = method.logits(head, x)
+        assert got.shape == (rows, 96)
+        if 4 <= rows < 32:
+            assert torch.equal(got, head.gguf_head(x, None)), f"{rows} rows: the Q8_0 tiles differ from the dense head"

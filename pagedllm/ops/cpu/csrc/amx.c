@@ -325,74 +325,119 @@ int pd_amx_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
 #endif
 }
 
-/* ------------------------------------------------------------ Q4 tiles (decode batches)
+/* ------------------------------------------------- quantized tiles (decode batches)
  * At decode batch sizes (16-128 rows) the bf16 tiles above stream 2 bytes per weight and the
- * GEMM runs at memory speed. pd_amx_q4_linear reads Q4_1 blocks instead, repacked so
- * that a tile dequantizes in a few vector instructions per row, and turns tile kb + 1 into
- * bf16 (float32 d * q + m, then bf16 nearest even: the values pd_amx_pack gives the dense
- * float32 copy of the same blocks, so results equal pd_amx_linear on that copy) while the
- * products of tile kb run on the tiles.
+ * GEMM runs at memory speed. pd_amx_qt_linear reads Q4_0 / Q4_1 / Q8_0 blocks instead,
+ * repacked so that a tile dequantizes in a few vector instructions per row, and turns tile
+ * kb + 1 into bf16 (the float32 value the dense dequantization computes, then bf16 nearest
+ * even: what pd_amx_pack gives the dense float32 copy of the same blocks, so results equal
+ * pd_amx_linear on that copy) while the products of tile kb run on the tiles.
  *
- * Layout (pd_amx_q4_pack): per 16-column strip nb and 32-wide k block kb, AMX_Q4_TILE bytes:
- * 16 rows r of 16 code bytes, then 16 fp16 d and 16 fp16 m (one per column). Tile row r
- * holds bf16 position j = 2n + e (column n, k = 2r + e); code byte i's low nibble is position
- * i, its high nibble position 16 + i, so one vcvtne2ps2bf16 of the two halves is the row. */
+ * Layout (pd_amx_qt_pack): per 16-column strip nb and 32-wide k block kb, one tile of 16 rows
+ * r of codes, then 16 fp16 d and (Q4_1) 16 fp16 m, one per column; Q4 tiles take 320 bytes
+ * (16 code bytes a row), Q8_0 tiles 544 (32). Tile row r holds bf16 position j = 2n + e
+ * (column n, k = 2r + e). Q4: code byte i's low nibble is position i, its high nibble
+ * position 16 + i; Q8_0: byte j is position j. Either way one vcvtne2ps2bf16 of the two
+ * halves is the row. */
 #define AMX_Q4_TILE 320
+#define AMX_Q8_TILE 544
 
-int64_t pd_amx_q4_packed_size(int64_t N, int64_t K) { return N / 16 * (K / 32) * AMX_Q4_TILE; }
+static inline int64_t qt_tile_bytes(int qtype) { return qtype == PD_Q8_0 ? AMX_Q8_TILE : AMX_Q4_TILE; }
 
-static inline int q4_code(const uint8_t *block, int k) {
-    return k < 16 ? block[4 + k] & 15 : block[4 + k - 16] >> 4;
+/* bytes of one ggml block of the types the tiles read; 0 for the others */
+static inline int qt_block_bytes(int qtype) {
+    return qtype == PD_Q4_0 ? 18 : qtype == PD_Q4_1 ? 20 : qtype == PD_Q8_0 ? 34 : 0;
 }
 
-/* raw: N rows of K / 32 Q4_1 blocks ({f16 d; f16 m; u8 qs[16]}, value d * q + m, qs[j]'s low
- * nibble k = j, high nibble k = j + 16). PD_EINVAL where N, K are not multiples of 16, 32.
- * (Q4_0 would store m = -8 d; not wired yet.) */
-int pd_amx_q4_pack(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
-    if (N % 16 != 0 || K % 32 != 0) return PD_EINVAL;
-    int64_t KB = K / 32, NB = N / 16;
+int64_t pd_amx_qt_packed_size(int qtype, int64_t N, int64_t K) {
+    return qt_block_bytes(qtype) ? N / 16 * (K / 32) * qt_tile_bytes(qtype) : 0;
+}
+
+/* Value k's code in a block: Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]} (qs[j]'s
+ * low nibble k = j, high nibble k = j + 16), Q8_0 {f16 d; i8 qs[32]} (as its byte). */
+static inline int qt_code(int qtype, const uint8_t *block, int k) {
+    if (qtype == PD_Q8_0) return block[2 + k];
+    const uint8_t *qs = block + (qtype == PD_Q4_1 ? 4 : 2);
+    return k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+}
+
+/* raw: N rows of K / 32 blocks of `qtype` (Q4_0: value d * (q - 8); Q4_1: d * q + m; Q8_0:
+ * d * q). PD_EINVAL for another type or where N, K are not multiples of 16, 32. */
+int pd_amx_qt_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
+    int bb = qt_block_bytes(qtype);
+    if (bb == 0 || N % 16 != 0 || K % 32 != 0) return PD_EINVAL;
+    int64_t KB = K / 32, NB = N / 16, tb = qt_tile_bytes(qtype), codes = qtype == PD_Q8_0 ? 512 : 256;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < NB; nb++)
         for (int64_t kb = 0; kb < KB; kb++) {
-            uint8_t *t = out + (nb * KB + kb) * AMX_Q4_TILE;
+            uint8_t *t = out + (nb * KB + kb) * tb;
             const uint8_t *blk[16];
+            memset(t + codes, 0, (size_t)(tb - codes));
             for (int n = 0; n < 16; n++) {
-                blk[n] = raw + ((nb * 16 + n) * KB + kb) * 20;
-                memcpy(t + 256 + 2 * n, blk[n], 2);      /* d */
-                memcpy(t + 288 + 2 * n, blk[n] + 2, 2);  /* m */
+                blk[n] = raw + ((nb * 16 + n) * KB + kb) * bb;
+                memcpy(t + codes + 2 * n, blk[n], 2);                                /* d */
+                if (qtype == PD_Q4_1) memcpy(t + codes + 32 + 2 * n, blk[n] + 2, 2);  /* m */
             }
             for (int r = 0; r < 16; r++)
                 for (int i = 0; i < 16; i++) { /* positions i and 16 + i: column j / 2, k = 2r + j % 2 */
                     int hi = 16 + i;
-                    t[r * 16 + i] = (uint8_t)(q4_code(blk[i / 2], 2 * r + i % 2) |
-                                              q4_code(blk[hi / 2], 2 * r + hi % 2) << 4);
+                    int lo_code = qt_code(qtype, blk[i / 2], 2 * r + i % 2);
+                    int hi_code = qt_code(qtype, blk[hi / 2], 2 * r + hi % 2);
+                    if (qtype == PD_Q8_0) {
+                        t[r * 32 + i] = (uint8_t)lo_code;
+                        t[r * 32 + hi] = (uint8_t)hi_code;
+                    } else {
+                        t[r * 16 + i] = (uint8_t)(lo_code | hi_code << 4);
+                    }
                 }
         }
     return PD_OK;
 }
 
 #if PD_AMX
-/* One Q4 tile into the 16 x 32 bf16 tile at dst (1 KiB); lo_idx / hi_idx spread the 16
- * columns' d and m over the positions of each half of a row. */
-static inline void q4_tile(const uint8_t *t, uint16_t *dst, __m512i lo_idx, __m512i hi_idx) {
-    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 256)));
-    __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + 288)));
-    __m512 dl = _mm512_permutexvar_ps(lo_idx, d), ml = _mm512_permutexvar_ps(lo_idx, m);
-    __m512 dh = _mm512_permutexvar_ps(hi_idx, d), mh = _mm512_permutexvar_ps(hi_idx, m);
-    __m512i nibble = _mm512_set1_epi32(15);
+/* One quantized tile into the 16 x 32 bf16 tile at dst (1 KiB), each value as the dense
+ * dequantization computes it in float32 (gguf_dequant: Q4_0 (q - 8) * d, Q4_1 d * q + m,
+ * Q8_0 q * d), then rounded to bf16; lo_idx / hi_idx spread the 16 columns' d (and m) over
+ * the positions of each half of a row. qtype is a constant at every call site. */
+static inline __attribute__((always_inline)) void qt_tile(int qtype, const uint8_t *t, uint16_t *dst,
+                                                          __m512i lo_idx, __m512i hi_idx) {
+    const int codes = qtype == PD_Q8_0 ? 512 : 256;
+    __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + codes)));
+    __m512 dl = _mm512_permutexvar_ps(lo_idx, d), dh = _mm512_permutexvar_ps(hi_idx, d);
+    __m512 ml = dl, mh = dh;
+    if (qtype == PD_Q4_1) {
+        __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + codes + 32)));
+        ml = _mm512_permutexvar_ps(lo_idx, m), mh = _mm512_permutexvar_ps(hi_idx, m);
+    }
+    const __m512i nibble = _mm512_set1_epi32(15);
+    const __m512 eight = _mm512_set1_ps(8.0f);
     for (int r = 0; r < 16; r++) {
-        __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 16 * r)));
-        __m512 lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), dl, ml);
-        __m512 hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), dh, mh);
+        __m512 lo, hi;
+        if (qtype == PD_Q8_0) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(t + 32 * r));
+            lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(v))), dl);
+            hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))), dh);
+        } else {
+            __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 16 * r)));
+            __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            if (qtype == PD_Q4_1) {
+                lo = _mm512_fmadd_ps(ql, dl, ml);
+                hi = _mm512_fmadd_ps(qh, dh, mh);
+            } else {
+                lo = _mm512_mul_ps(_mm512_sub_ps(ql, eight), dl);
+                hi = _mm512_mul_ps(_mm512_sub_ps(qh, eight), dh);
+            }
+        }
         _mm512_storeu_si512(dst + 32 * r, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
     }
 }
 
-
-/* The work of pd_amx_q4_linear (gated 0: strips 2p and 2p + 1) and pd_amx_q4_linear_silu
- * (gated 1: gate strip p and up strip NB / 2 + p, silu(gate) * up to y's 16 columns 16p..). */
-static int q4_run(int gated, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
-                  float *y, int64_t ldy) {
+/* The work of pd_amx_qt_linear (gated 0: strips 2p and 2p + 1) and pd_amx_qt_linear_silu
+ * (gated 1: gate strip p and up strip NB / 2 + p, silu(gate) * up to y's 16 columns 16p..);
+ * qtype is a constant at every call site (qt_run). */
+static inline __attribute__((always_inline)) int qt_run_type(int qtype, int gated, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
+                                                             float *y, int64_t ldy) {
+    const int64_t TB = qt_tile_bytes(qtype);
     int64_t KB = K / 32, Mp = (M + 15) / 16 * 16, NB = N / 16, pairs = gated ? NB / 2 : (NB + 1) / 2;
     uint16_t *xa = (uint16_t *)aligned_alloc(64, (size_t)(Mp * K) * sizeof(uint16_t));
     if (xa == NULL) return PD_ENOMEM;
@@ -414,16 +459,16 @@ static int q4_run(int gated, const float *x, int64_t ldx, int64_t M, int64_t K, 
         for (int64_t p = 0; p < pairs; p++) {
             if (buf == NULL) continue;
             int two_n = gated || 2 * p + 1 < NB;
-            const uint8_t *t0 = wq + (gated ? p : 2 * p) * KB * AMX_Q4_TILE;
-            const uint8_t *t1 = wq + (gated ? NB / 2 + p : 2 * p + 1) * KB * AMX_Q4_TILE;
+            const uint8_t *t0 = wq + (gated ? p : 2 * p) * KB * TB;
+            const uint8_t *t1 = wq + (gated ? NB / 2 + p : 2 * p + 1) * KB * TB;
             int64_t n0 = gated ? 16 * p : 32 * p;
             uint16_t *b0 = buf, *b1 = buf + KB * AMX_TILE_BF16;
             for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
                 int two_m = m0 + 16 < Mp;
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
                 if (m0 == 0) { /* the first row block's products of tile kb run while tile kb + 1 is dequantized */
-                    q4_tile(t0, b0, lo_idx, hi_idx);
-                    if (two_n) q4_tile(t1, b1, lo_idx, hi_idx);
+                    qt_tile(qtype, t0, b0, lo_idx, hi_idx);
+                    if (two_n) qt_tile(qtype, t1, b1, lo_idx, hi_idx);
                 }
                 for (int64_t kb = 0; kb < KB; kb++) {
                     const uint16_t *a0 = xa + m0 * K, *a1 = a0 + 16 * K;
@@ -432,12 +477,12 @@ static int q4_run(int gated, const float *x, int64_t ldx, int64_t M, int64_t K, 
                     else if (two_n) amx_kstep(0, 1, a0, a1, K, kb, b0, b1);
                     else amx_kstep(0, 0, a0, a1, K, kb, b0, b1);
                     if (m0 == 0 && kb + 1 < KB) { /* the next tiles, while the products run; fetch further ahead */
-                        for (int l = 0; l < AMX_Q4_TILE; l += 64) {
-                            _mm_prefetch((const char *)(t0 + (kb + 32) * AMX_Q4_TILE) + l, _MM_HINT_T0);
-                            if (two_n) _mm_prefetch((const char *)(t1 + (kb + 32) * AMX_Q4_TILE) + l, _MM_HINT_T0);
+                        for (int l = 0; l < TB; l += 64) {
+                            _mm_prefetch((const char *)(t0 + (kb + 32) * TB) + l, _MM_HINT_T0);
+                            if (two_n) _mm_prefetch((const char *)(t1 + (kb + 32) * TB) + l, _MM_HINT_T0);
                         }
-                        q4_tile(t0 + (kb + 1) * AMX_Q4_TILE, b0 + (kb + 1) * AMX_TILE_BF16, lo_idx, hi_idx);
-                        if (two_n) q4_tile(t1 + (kb + 1) * AMX_Q4_TILE, b1 + (kb + 1) * AMX_TILE_BF16, lo_idx, hi_idx);
+                        qt_tile(qtype, t0 + (kb + 1) * TB, b0 + (kb + 1) * AMX_TILE_BF16, lo_idx, hi_idx);
+                        if (two_n) qt_tile(qtype, t1 + (kb + 1) * TB, b1 + (kb + 1) * AMX_TILE_BF16, lo_idx, hi_idx);
                     }
                 }
                 amx_block_store(two_m, two_n, gated, m0, M, n0, N, NULL, y, 0, ldy, cbuf);
@@ -449,36 +494,47 @@ static int q4_run(int gated, const float *x, int64_t ldx, int64_t M, int64_t K, 
     free(xa);
     return failed ? PD_ENOMEM : PD_OK;
 }
+
+static int qt_run(int qtype, int gated, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq,
+                  int64_t N, float *y, int64_t ldy) {
+    switch (qtype) {
+    case PD_Q4_0: return qt_run_type(PD_Q4_0, gated, x, ldx, M, K, wq, N, y, ldy);
+    case PD_Q4_1: return qt_run_type(PD_Q4_1, gated, x, ldx, M, K, wq, N, y, ldy);
+    default: return qt_run_type(PD_Q8_0, gated, x, ldx, M, K, wq, N, y, ldy);
+    }
+}
 #endif
 
 /* y[M, N] (float32, row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T for W from
- * pd_amx_q4_pack: equal to pd_amx_linear on pd_amx_pack of W's float32 dequantization.
- * Each thread takes strip pairs; per pair it dequantizes the strips into a buffer, tile
- * kb + 1 while the first row block's products of tile kb run, and the later row blocks
- * reuse the buffer. PD_EINVAL without AMX; PD_ENOMEM when a buffer cannot be allocated. */
-int pd_amx_q4_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N, float *y,
-                     int64_t ldy) {
+ * pd_amx_qt_pack of `qtype` blocks: equal to pd_amx_linear on pd_amx_pack of W's float32
+ * dequantization. Each thread takes strip pairs; per pair it dequantizes the strips into a
+ * buffer, tile kb + 1 while the first row block's products of tile kb run, and the later row
+ * blocks reuse the buffer. PD_EINVAL without AMX or for another type; PD_ENOMEM when a
+ * buffer cannot be allocated. */
+int pd_amx_qt_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
+                     float *y, int64_t ldy) {
 #if PD_AMX
-    if (!amx_permitted() || N % 16 != 0 || K % 32 != 0) return PD_EINVAL;
+    if (!amx_permitted() || !qt_block_bytes(qtype) || N % 16 != 0 || K % 32 != 0) return PD_EINVAL;
     if (M <= 0 || N <= 0) return PD_OK;
-    return q4_run(0, x, ldx, M, K, wq, N, y, ldy);
+    return qt_run(qtype, 0, x, ldx, M, K, wq, N, y, ldy);
 #else
-    (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
+    (void)qtype, (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
     return PD_EINVAL;
 #endif
 }
 
-/* pd_amx_linear_silu's contract on Q4 tiles: y[M, N / 2] = silu(g) * u for [g | u] = x @ W^T,
- * the gate's N / 2 rows over the up projection's (no bias); equal to pd_amx_q4_linear then
- * pd_silu_mul. PD_EINVAL without AMX or where N / 2 is not a multiple of 16. */
-int pd_amx_q4_linear_silu(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
-                          float *y, int64_t ldy) {
+/* pd_amx_linear_silu's contract on quantized tiles: y[M, N / 2] = silu(g) * u for [g | u] =
+ * x @ W^T, the gate's N / 2 rows over the up projection's (no bias); equal to
+ * pd_amx_qt_linear then pd_silu_mul. PD_EINVAL without AMX, for another type or where N / 2
+ * is not a multiple of 16. */
+int pd_amx_qt_linear_silu(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq,
+                          int64_t N, float *y, int64_t ldy) {
 #if PD_AMX
-    if (!amx_permitted() || N % 32 != 0 || K % 32 != 0) return PD_EINVAL;
+    if (!amx_permitted() || !qt_block_bytes(qtype) || N % 32 != 0 || K % 32 != 0) return PD_EINVAL;
     if (M <= 0 || N <= 0) return PD_OK;
-    return q4_run(1, x, ldx, M, K, wq, N, y, ldy);
+    return qt_run(qtype, 1, x, ldx, M, K, wq, N, y, ldy);
 #else
-    (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
+    (void)qtype, (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
     return PD_EINVAL;
 #endif
 }

@@ -8,7 +8,7 @@
  *   attention.c    the paged KV cache: pd_write_kv, pd_paged_attention (+ _bf16 variants,
  *                  pd_has_bf16_kv), pd_attention_tiles
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear, pd_amx_linear_silu;
- *                  Q4_1 blocks dequantized into the tiles: pd_amx_q4_pack, pd_amx_q4_linear(_silu)
+ *                  Q4_0 / Q4_1 / Q8_0 blocks dequantized into the tiles: pd_amx_qt_pack, pd_amx_qt_linear(_silu)
  *   bf16dot.c      the same tiles on AVX512-BF16 dot products: pd_has_bf16dot, pd_bf16dot_linear(_silu)
  *   vnni.c         ggml 4/8-bit weights x 14-bit (or, asked for, int8) integer activations on AVX512-VNNI:
  *                  pd_has_vnni, pd_vnni_packed_size, pd_vnni_pack, pd_vnni_linear
@@ -59,7 +59,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 14
+#define PD_ABI_VERSION 15
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
@@ -117,12 +117,12 @@ int pd_amx_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, 
                   const float *bias, void *y, int y_bf16, int64_t ldy);
 int pd_amx_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                        const float *bias, float *y, int64_t ldy);
-int64_t pd_amx_q4_packed_size(int64_t N, int64_t K);
-int pd_amx_q4_pack(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out);
-int pd_amx_q4_linear(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N, float *y,
-                     int64_t ldy);
-int pd_amx_q4_linear_silu(const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
-                          float *y, int64_t ldy);
+int64_t pd_amx_qt_packed_size(int qtype, int64_t N, int64_t K);
+int pd_amx_qt_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out);
+int pd_amx_qt_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
+                     float *y, int64_t ldy);
+int pd_amx_qt_linear_silu(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq,
+                          int64_t N, float *y, int64_t ldy);
 int pd_has_bf16dot(void);
 int pd_bf16dot_linear(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
                       const float *bias, void *y, int y_bf16, int64_t ldy);

@@ -52,8 +52,8 @@ static const char *const KERNELS[][2] = {
     {"gather_rows_bf16", "piipip"},
     {"amx_linear_silu", "piiiipippi"},
     {"bf16dot_linear_silu", "piiiipippi"},
-    {"amx_q4_linear", "piiipipi"},
-    {"amx_q4_linear_silu", "piiipipi"},
+    {"amx_qt_linear", "ipiiipipi"},
+    {"amx_qt_linear_silu", "ipiiipipi"},
 };
 #define NUM_KERNELS ((int)(sizeof(KERNELS) / sizeof(KERNELS[0])))
 
@@ -114,8 +114,8 @@ int64_t pd_replay(const pd_call *calls, int64_t n, const int64_t *bases) {
         case 18: rc = pd_gather_rows_bf16(P(0), I(1), I(2), P(3), I(4), P(5)); break;
         case 19: rc = pd_amx_linear_silu(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9)); break;
         case 20: rc = pd_bf16dot_linear_silu(P(0), I(1), I(2), I(3), I(4), P(5), I(6), P(7), P(8), I(9)); break;
-        case 21: rc = pd_amx_q4_linear(P(0), I(1), I(2), I(3), P(4), I(5), P(6), I(7)); break;
-        case 22: rc = pd_amx_q4_linear_silu(P(0), I(1), I(2), I(3), P(4), I(5), P(6), I(7)); break;
+        case 21: rc = pd_amx_qt_linear(I(0), P(1), I(2), I(3), I(4), P(5), I(6), P(7), I(8)); break;
+        case 22: rc = pd_amx_qt_linear_silu(I(0), P(1), I(2), I(3), I(4), P(5), I(6), P(7), I(8)); break;
         default: return c;
         }
 #undef P
