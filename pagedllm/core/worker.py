@@ -135,6 +135,20 @@ def prefault(caches: Sequence[torch.Tensor], full_shape: tuple[int, ...], prefix
 
 
 PAGE_BYTES = 4096
+IDLE_FAULT_IN_RESERVE = 1 << 30  # memory idle fault-in leaves available to the rest of the machine
+
+
+def memory_available() -> int | None:
+    """The kernel's estimate of the bytes available to new allocations (MemAvailable in
+    /proc/meminfo); None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 class IdleFaultIn:
@@ -149,7 +163,9 @@ class IdleFaultIn:
 
     Each page is written with its own value (one byte per 4 KiB page, plus zero), so blocks
     already in use, or holding a cached prefix, keep their contents; only the engine thread
-    writes the cache, and only between steps."""
+    writes the cache, and only between steps. It stops for good where the machine's available
+    memory falls below IDLE_FAULT_IN_RESERVE (a cache sized beyond the RAM left ran as long as
+    its requests did not fill it, and must go on running) or cannot be read."""
 
     def __init__(self, caches: Sequence[torch.Tensor]) -> None:
         self._regions = [c.view(-1).view(torch.uint8) for c in caches if c.numel() and c.is_contiguous()]
@@ -161,6 +177,14 @@ class IdleFaultIn:
 
     def step(self, max_bytes: int) -> bool:
         """Fault in (at most) the next `max_bytes` of the caches; False once all are."""
+        if self.done:
+            return False
+        available = memory_available()
+        if available is None or available < IDLE_FAULT_IN_RESERVE + max_bytes:
+            logger.info("KV cache: stopped faulting in pages while idle (%s memory available)",
+                        "unknown" if available is None else f"{available / (1 << 30):.2f} GiB")
+            self._region = len(self._regions)
+            return False
         left = max_bytes
         while left > 0 and not self.done:
             region = self._regions[self._region]

@@ -94,6 +94,23 @@ def test_idle_fault_in_walks_every_page_and_keeps_contents():
         assert torch.equal(cache, old), "faulting in changed the cache's contents"
 
 
+def test_idle_fault_in_stops_where_memory_runs_short(monkeypatch):
+    """A cache sized beyond the memory left must not be faulted in by idling: it stops for
+    good once available memory nears IDLE_FAULT_IN_RESERVE (or cannot be read)."""
+    from pagedllm.core import worker
+
+    caches = [torch.ones(4, PAGE_BYTES)]
+    available = [worker.IDLE_FAULT_IN_RESERVE + (64 << 20)]
+    monkeypatch.setattr(worker, "memory_available", lambda: available[0])
+    fault_in = IdleFaultIn(caches)
+    assert fault_in.step(PAGE_BYTES) and not fault_in.done, "plenty of memory: it should go on"
+    available[0] = worker.IDLE_FAULT_IN_RESERVE
+    assert not fault_in.step(PAGE_BYTES) and fault_in.done, "it went on with the reserve reached"
+    assert caches[0].eq(1).all()
+    monkeypatch.setattr(worker, "memory_available", lambda: None)
+    assert not IdleFaultIn([torch.ones(4, PAGE_BYTES)]).step(PAGE_BYTES), "unknown memory: no idle fault-in"
+
+
 def test_engine_faults_in_the_rest_only_when_the_prefault_is_not_sized(tiny_model_dir, monkeypatch):
     from pagedllm import LLM
 
