@@ -493,12 +493,15 @@ def _put_all(puts: list[tuple[_Latest, Any]]) -> None:
 
 
 SETTLE_LIMIT_S = 0.02  # the longest an idle engine waits for a burst to finish arriving
-# KV cache bytes an idle engine faults in per turn: ~2 huge pages, ~10 ms where a fresh one
-# costs ~5 ms, the longest a request arriving meanwhile waits for it
-IDLE_FAULT_IN_BYTES = 4 << 20
-IDLE_PAUSE_S = 0.005  # ... the pause between two turns (the other threads and processes run) ...
-IDLE_WORK_AFTER_S = 0.2  # ... and how long the engine must have been idle before the first
 SETTLE_QUIET_ROUNDS = 3  # ... and how many rounds of event-loop turns must bring no request
+# KV cache bytes an idle engine faults in per turn: ~2 huge pages, ~10 ms where a fresh one
+# costs ~5 ms, the longest a request arriving meanwhile waits for it ...
+IDLE_FAULT_IN_BYTES = 4 << 20
+IDLE_PAUSE_S = 0.02  # ... the pause between two turns (a third of a core at most: clients, other processes) ...
+# ... and how long the engine must have been idle before the first: a pause between two bursts, or
+# between a client's first request and its burst, is no time for it (at 0.2 s, `bench compare`'s
+# serve burst, sent right after its probe request, met an engine faulting pages on one of two cores)
+IDLE_WORK_AFTER_S = 2.0
 
 
 class AsyncLLMEngine:
