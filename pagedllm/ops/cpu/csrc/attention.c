@@ -532,17 +532,22 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
      * kv head's part, in one pass: ~1.3x faster decode attention (1.0-1.5x across
      * alternating runs, 32 rows, 30 layers of cache beyond the last-level cache, Zen 5),
      * else one (a single decode row still splits across threads). */
-    int64_t per = T >= 4 * (int64_t)omp_get_max_threads() ? KVH : 1;
     /* requests of PD_TILE rows or more go by tiles (the AVX-512 path without a soft cap);
-     * tile_end[r]: the running count of their (kv head, tile) items */
+     * tile_end[r]: the running count of their (kv head, tile) items; rows[0 .. nrows): the
+     * query rows of the others, the row path's (a prefill's thousand tiled rows used to be
+     * walked by the row loop only to be skipped there) */
     int tiles_ok = pd_attention_tiles(D, G) && soft_cap <= 0.0f;
-    int64_t *tile_end = (int64_t *)malloc((size_t)(num_reqs + 1) * sizeof(int64_t)), tile_items = 0;
+    int64_t *tile_end = (int64_t *)malloc((size_t)(num_reqs + 1 + T) * sizeof(int64_t)), tile_items = 0;
     if (tile_end == NULL) return PD_ENOMEM;
+    int64_t *rows = tile_end + num_reqs + 1, nrows = 0;
     for (int64_t r = 0; r < num_reqs; r++) {
         int64_t q_len = query_start[r + 1] - query_start[r];
         if (tiles_ok && q_len >= PD_TILE) tile_items += KVH * ((q_len + PD_TILE - 1) / PD_TILE);
+        else
+            for (int64_t t = query_start[r]; t < query_start[r + 1]; t++) rows[nrows++] = t;
         tile_end[r] = tile_items;
     }
+    int64_t per = nrows >= 4 * (int64_t)omp_get_max_threads() ? KVH : 1;
     int failed = 0;
 #pragma omp parallel
     {
@@ -580,15 +585,14 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
 #endif
         int64_t nth = omp_get_num_threads();
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t item = 0; item < T * (KVH / per); item++) {
+        for (int64_t item = 0; item < nrows * (KVH / per); item++) {
             if (scores == NULL) continue;
-            int64_t t = item / (KVH / per), kh0 = item % (KVH / per) * per;
-            if (per == KVH && item + nth < T)
-                prefetch_row(item + nth, query_start, seq_lens, num_reqs, block_tables, bt_stride, key_cache,
+            int64_t t = rows[item / (KVH / per)], kh0 = item % (KVH / per) * per;
+            if (per == KVH && item + nth < nrows)
+                prefetch_row(rows[item + nth], query_start, seq_lens, num_reqs, block_tables, bt_stride, key_cache,
                              value_cache, block_size, row * esize, window);
             int64_t r = request_of(t, query_start, num_reqs);
             int64_t q_len = query_start[r + 1] - query_start[r], i = t - query_start[r];
-            if (tile_end[r] > (r ? tile_end[r - 1] : 0)) continue; /* done by tiles above */
             int64_t pos = seq_lens[r] - q_len + i, qrow = row_start[r] + i;
             int64_t start = window > 0 && pos + 1 > window ? pos + 1 - window : 0, n = pos + 1 - start;
             const int32_t *bt = block_tables + r * bt_stride;
