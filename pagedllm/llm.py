@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Any, Sequence
 
 from pagedllm.core.config import EngineConfig
@@ -10,6 +12,8 @@ from pagedllm.core.logs import setup_logging
 from pagedllm.core.request import RequestOutput, SamplingParams
 
 PromptType = str | dict[str, Any]
+
+logger = logging.getLogger("pagedllm")
 
 
 class LLM:
@@ -35,6 +39,8 @@ class LLM:
             raise NotImplementedError("data_parallel_size > 1 is for `pagedllm serve` (replicas behind one server); "
                                       "offline, run one LLM per replica, each on its share of the machine")
         self.engine = LLMEngine(self.config)
+        self._built_on = threading.get_ident()
+        self._warned_thread = False
 
     def shutdown(self) -> None:
         """Stop the engine's rank processes now (tensor / pipeline parallel); they stop
@@ -98,7 +104,24 @@ class LLM:
             return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
         raise ValueError(f"a prompt must be a string or a dict with 'prompt' or 'prompt_token_ids', got {prompt!r}")
 
+    def _warn_other_thread(self) -> None:
+        """Once: steps run from another thread than the one that loaded the model. libgomp
+        keeps an OpenMP thread pool per thread that opens parallel regions; with two pools it
+        counts more threads than CPUs and cuts its spin-waiting short, so every kernel's
+        threads sleep and wake at its end (a 32 x 32-token SmolLM2 prefill on a 2-vCPU Xeon:
+        180-187 ms from the loading thread, 265-276 ms from a second one, and 232-247 ms back
+        on the first once both pools exist)."""
+        if self._warned_thread or threading.get_ident() == self._built_on or \
+                self.config.device.resolved_device() != "cpu":
+            return
+        self._warned_thread = True
+        logger.warning("LLM.generate() runs on another thread than the one that created this LLM: on the CPU "
+                       "each thread keeps its own OpenMP pool, and two pools slowed steps ~1.5x where measured. "
+                       "Create the LLM and generate on one thread (or serve it: `pagedllm serve` runs both on its "
+                       "engine thread).")
+
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        self._warn_other_thread()
         finished: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

@@ -219,3 +219,25 @@ def test_chat_uses_template(tiny_model_dir):
                    use_tqdm=False)[0]
     tok = llm.get_tokenizer()
     assert out.prompt_token_ids == tok.encode("<|user|>Hello</s><|assistant|>")
+
+
+def test_generate_from_another_thread_warns_once(tiny_model_dir, caplog):
+    """Two OpenMP pools slow every CPU step: generating on another thread than the one that
+    built the LLM works, and says so once."""
+    import logging
+    import threading
+
+    llm = LLM(model=str(tiny_model_dir()), kv_cache_memory=1 << 22)
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    with caplog.at_level(logging.WARNING, logger="pagedllm"):
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)
+        assert not [r for r in caplog.records if "another thread" in r.getMessage()], "warned on the same thread"
+        outputs = []
+        for _ in range(2):
+            worker = threading.Thread(target=lambda: outputs.append(
+                llm.generate([{"prompt_token_ids": [1, 2, 3]}], params, use_tqdm=False)))
+            worker.start()
+            worker.join()
+    warned = [r for r in caplog.records if "another thread" in r.getMessage()]
+    assert len(warned) == 1, f"{len(warned)} warnings for two calls from other threads"
+    assert len(outputs) == 2 and all(len(o[0].outputs[0].token_ids) == 2 for o in outputs)
