@@ -710,10 +710,6 @@ def bf16_tiles_silu_and_mul(x: torch.Tensor, w: Bf16Tiles, bias: torch.Tensor | 
     return out.view(*lead, half)
 
 
-# ggml block types the AMX quantized tiles read (csrc/amx.c)
-QUANT_TILE_QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
-
-
 @dataclass(frozen=True)
 class QuantTiles:
     """A Q4_0 / Q4_1 / Q8_0 [N, K] matrix repacked for `quant_tiles_linear` (layout: csrc/amx.c),
@@ -730,9 +726,9 @@ class QuantTiles:
 
 
 def quant_tiles_fit(qtype: int, n: int, k: int) -> bool:
-    """Whether `pack_quant_tiles` takes a weight: a `QUANT_TILE_QTYPES` type, N a multiple of
-    16, AMX here."""
-    return qtype in QUANT_TILE_QTYPES and n % 16 == 0 and k % 32 == 0 and amx_available()
+    """Whether `pack_quant_tiles` takes a weight: a `SUPPORTED_QTYPES` type (those the native
+    kernels read), N a multiple of 16, AMX here."""
+    return qtype in SUPPORTED_QTYPES and n % 16 == 0 and k % 32 == 0 and amx_available()
 
 
 def pack_quant_tiles(raw: torch.Tensor, qtype: int, k: int) -> QuantTiles:

@@ -282,8 +282,8 @@ def _quant_tiles_range(layer: nn.Module, types: str, shape: str, blocks: Sequenc
     def kernel_on(w: native.QuantTiles) -> crossover.Kernel:
         return lambda x: native.quant_tiles_linear(x.reshape(-1, k).contiguous(), w)
 
-    side = crossover.Contender(kernel_on(tiles), lambda: kernel_on(dataclasses.replace(tiles, tiles=tiles.tiles.clone())),
-                               tiles.nbytes)
+    side = crossover.Contender(kernel_on(tiles),
+                               lambda: kernel_on(dataclasses.replace(tiles, tiles=tiles.tiles.clone())), tiles.nbytes)
     first = crossover.rows_from(above, small, side, k, candidates=TILES_FROM_CANDIDATES)
     last = crossover.rows_from(below, side, dense_side, k, candidates=TILES_CANDIDATES)
     last = min(last, 2 * TILES_CANDIDATES[-1])
@@ -295,6 +295,18 @@ def _quant_tiles_range(layer: nn.Module, types: str, shape: str, blocks: Sequenc
     layer.gguf_native_below, layer.gguf_tiles_below = first, last
     logger.debug("%s: %s tiles serve %d-%d rows", layer.prefix, type_name(qtype), first, last - 1)
     return True
+
+
+def _measure_ranges(layer: nn.Module, types: str, shape: str, blocks: Sequence[tuple[int, torch.Tensor]] | None,
+                    k: int, small: crossover.Contender, small_name: str, dense, weight: torch.Tensor) -> None:
+    """Which batches the blocks serve and which the dense copy `dense` (`ops.pack_linear(weight)`)
+    serves: the quantized tiles' range where they win one, else the small-batch kernel's crossover
+    with the dense copy (`layer.gguf_native_below`). For linear layers and the head alike."""
+    dense_side = _dense_contender(dense, weight)
+    if not _quant_tiles_range(layer, types, shape, blocks, k, small, small_name, dense_side, dense.kind):
+        layer.gguf_native_below = crossover.rows_from(
+            f"gguf-{types}|{'' if small_name == 'native' else small_name + '|'}{dense.kind}|{shape}", small,
+            dense_side, k)
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -398,11 +410,7 @@ class GGUFLinearMethod(LinearMethod):
             small, name = _small_rows_kernel(types, shape, blocks, k, native_side, joined)
             if name != "native":
                 _keep_small_kernel(layer, small.kernel, name)
-            dense_side = _dense_contender(layer.gguf_dense, weight)
-            if not _quant_tiles_range(layer, types, shape, blocks, k, small, name, dense_side, layer.gguf_dense.kind):
-                layer.gguf_native_below = crossover.rows_from(
-                    f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_dense.kind}|{shape}", small,
-                    dense_side, k)
+            _measure_ranges(layer, types, shape, blocks, k, small, name, layer.gguf_dense, weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         rows = x.numel() // layer.gguf_input_size
@@ -529,12 +537,7 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
                 small, name = _small_rows_kernel(types, shape, blocks, hidden, native_side, [(qtype, raw)])
                 if name != "native":
                     _keep_small_kernel(layer, small.kernel, name)
-                dense_side = _dense_contender(layer.gguf_head, layer.weight)
-                if not _quant_tiles_range(layer, types, shape, blocks, hidden, small, name, dense_side,
-                                          layer.gguf_head.kind):
-                    layer.gguf_native_below = crossover.rows_from(
-                        f"gguf-{types}|{'' if name == 'native' else name + '|'}{layer.gguf_head.kind}|{shape}",
-                        small, dense_side, hidden)
+                _measure_ranges(layer, types, shape, blocks, hidden, small, name, layer.gguf_head, layer.weight)
         else:
             del layer.weight
             layer.gguf_has_dense = False

@@ -38,9 +38,10 @@ def int8_activations() -> bool:
     return setting == "int8"
 
 
-def kind() -> str:
-    """The kernel's name in crossover keys and the log: "vnni", or "vnni8" rounding to int8."""
-    return "vnni8" if int8_activations() else "vnni"
+def kind(int8: bool | None = None) -> str:
+    """The kernel's name in crossover keys and the log: "vnni", or "vnni8" rounding to int8
+    (`int8`; None: as `int8_activations()` says now)."""
+    return "vnni8" if (int8_activations() if int8 is None else int8) else "vnni"
 
 
 class VnniLinear:
@@ -48,13 +49,9 @@ class VnniLinear:
     order; called on x [..., K], returns float32 [rows, N]. `int8`: activations rounded to
     int8 per block (`native.vnni_linear`'s `int8`), kind "vnni8"."""
 
-    kind = "vnni"
-
     def __init__(self, groups: Sequence[tuple[int, torch.Tensor]], k: int, int8: bool = False) -> None:
         self.k = k
         self.int8 = int8
-        if int8:
-            self.kind = "vnni8"
         self.weights: list[tuple[native.VnniWeight, int, int]] = []
         row = 0
         for qtype, raw in groups:
@@ -62,6 +59,10 @@ class VnniLinear:
             self.weights.append((w, row, row + w.n))
             row += w.n
         self.n = row
+
+    @property
+    def kind(self) -> str:
+        return kind(self.int8)
 
     def tensors(self) -> list[torch.Tensor]:
         """What it holds, for the layer to register (memory accounting)."""

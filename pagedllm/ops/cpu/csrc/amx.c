@@ -344,13 +344,11 @@ int pd_amx_linear_silu(const void *x, int x_bf16, int64_t ldx, int64_t M, int64_
 
 static inline int64_t qt_tile_bytes(int qtype) { return qtype == PD_Q8_0 ? AMX_Q8_TILE : AMX_Q4_TILE; }
 
-/* bytes of one ggml block of the types the tiles read; 0 for the others */
-static inline int qt_block_bytes(int qtype) {
-    return qtype == PD_Q4_0 ? 18 : qtype == PD_Q4_1 ? 20 : qtype == PD_Q8_0 ? 34 : 0;
-}
+/* bytes of a tile's codes: 16 rows of a block's code bytes */
+static inline int64_t qt_code_bytes(int qtype) { return 16 * pd_code_bytes(qtype); }
 
 int64_t pd_amx_qt_packed_size(int qtype, int64_t N, int64_t K) {
-    return qt_block_bytes(qtype) ? N / 16 * (K / 32) * qt_tile_bytes(qtype) : 0;
+    return pd_block_bytes(qtype) ? N / 16 * (K / 32) * qt_tile_bytes(qtype) : 0;
 }
 
 /* Value k's code in a block: Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]} (qs[j]'s
@@ -364,9 +362,9 @@ static inline int qt_code(int qtype, const uint8_t *block, int k) {
 /* raw: N rows of K / 32 blocks of `qtype` (Q4_0: value d * (q - 8); Q4_1: d * q + m; Q8_0:
  * d * q). PD_EINVAL for another type or where N, K are not multiples of 16, 32. */
 int pd_amx_qt_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *out) {
-    int bb = qt_block_bytes(qtype);
+    int bb = pd_block_bytes(qtype);
     if (bb == 0 || N % 16 != 0 || K % 32 != 0) return PD_EINVAL;
-    int64_t KB = K / 32, NB = N / 16, tb = qt_tile_bytes(qtype), codes = qtype == PD_Q8_0 ? 512 : 256;
+    int64_t KB = K / 32, NB = N / 16, tb = qt_tile_bytes(qtype), codes = qt_code_bytes(qtype);
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < NB; nb++)
         for (int64_t kb = 0; kb < KB; kb++) {
@@ -401,7 +399,7 @@ int pd_amx_qt_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t 
  * the positions of each half of a row. qtype is a constant at every call site. */
 static inline __attribute__((always_inline)) void qt_tile(int qtype, const uint8_t *t, uint16_t *dst,
                                                           __m512i lo_idx, __m512i hi_idx) {
-    const int codes = qtype == PD_Q8_0 ? 512 : 256;
+    const int64_t codes = qt_code_bytes(qtype);
     __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(t + codes)));
     __m512 dl = _mm512_permutexvar_ps(lo_idx, d), dh = _mm512_permutexvar_ps(hi_idx, d);
     __m512 ml = dl, mh = dh;
@@ -419,7 +417,8 @@ static inline __attribute__((always_inline)) void qt_tile(int qtype, const uint8
             hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(v, 1))), dh);
         } else {
             __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(t + 16 * r)));
-            __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble)), qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            __m512 ql = _mm512_cvtepi32_ps(_mm512_and_si512(v, nibble));
+            __m512 qh = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
             if (qtype == PD_Q4_1) {
                 lo = _mm512_fmadd_ps(ql, dl, ml);
                 hi = _mm512_fmadd_ps(qh, dh, mh);
@@ -435,7 +434,8 @@ static inline __attribute__((always_inline)) void qt_tile(int qtype, const uint8
 /* The work of pd_amx_qt_linear (gated 0: strips 2p and 2p + 1) and pd_amx_qt_linear_silu
  * (gated 1: gate strip p and up strip NB / 2 + p, silu(gate) * up to y's 16 columns 16p..);
  * qtype is a constant at every call site (qt_run). */
-static inline __attribute__((always_inline)) int qt_run_type(int qtype, int gated, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
+static inline __attribute__((always_inline)) int qt_run_type(int qtype, int gated, const float *x, int64_t ldx,
+                                                             int64_t M, int64_t K, const uint8_t *wq, int64_t N,
                                                              float *y, int64_t ldy) {
     const int64_t TB = qt_tile_bytes(qtype);
     int64_t KB = K / 32, Mp = (M + 15) / 16 * 16, NB = N / 16, pairs = gated ? NB / 2 : (NB + 1) / 2;
@@ -505,6 +505,19 @@ static int qt_run(int qtype, int gated, const float *x, int64_t ldx, int64_t M, 
 }
 #endif
 
+/* Both entries below: their checks (a gated weight's halves whole strips), then qt_run. */
+static int qt_linear(int gated, int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq,
+                     int64_t N, float *y, int64_t ldy) {
+#if PD_AMX
+    if (!amx_permitted() || !pd_block_bytes(qtype) || N % (gated ? 32 : 16) != 0 || K % 32 != 0) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    return qt_run(qtype, gated, x, ldx, M, K, wq, N, y, ldy);
+#else
+    (void)gated, (void)qtype, (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
+    return PD_EINVAL;
+#endif
+}
+
 /* y[M, N] (float32, row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T for W from
  * pd_amx_qt_pack of `qtype` blocks: equal to pd_amx_linear on pd_amx_pack of W's float32
  * dequantization. Each thread takes strip pairs; per pair it dequantizes the strips into a
@@ -513,14 +526,7 @@ static int qt_run(int qtype, int gated, const float *x, int64_t ldx, int64_t M, 
  * buffer cannot be allocated. */
 int pd_amx_qt_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq, int64_t N,
                      float *y, int64_t ldy) {
-#if PD_AMX
-    if (!amx_permitted() || !qt_block_bytes(qtype) || N % 16 != 0 || K % 32 != 0) return PD_EINVAL;
-    if (M <= 0 || N <= 0) return PD_OK;
-    return qt_run(qtype, 0, x, ldx, M, K, wq, N, y, ldy);
-#else
-    (void)qtype, (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
-    return PD_EINVAL;
-#endif
+    return qt_linear(0, qtype, x, ldx, M, K, wq, N, y, ldy);
 }
 
 /* pd_amx_linear_silu's contract on quantized tiles: y[M, N / 2] = silu(g) * u for [g | u] =
@@ -529,12 +535,5 @@ int pd_amx_qt_linear(int qtype, const float *x, int64_t ldx, int64_t M, int64_t 
  * is not a multiple of 16. */
 int pd_amx_qt_linear_silu(int qtype, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wq,
                           int64_t N, float *y, int64_t ldy) {
-#if PD_AMX
-    if (!amx_permitted() || !qt_block_bytes(qtype) || N % 32 != 0 || K % 32 != 0) return PD_EINVAL;
-    if (M <= 0 || N <= 0) return PD_OK;
-    return qt_run(qtype, 1, x, ldx, M, K, wq, N, y, ldy);
-#else
-    (void)qtype, (void)x, (void)ldx, (void)M, (void)K, (void)wq, (void)N, (void)y, (void)ldy;
-    return PD_EINVAL;
-#endif
+    return qt_linear(1, qtype, x, ldx, M, K, wq, N, y, ldy);
 }

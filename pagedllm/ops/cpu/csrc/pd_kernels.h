@@ -71,6 +71,15 @@ enum { PD_OK = 0, PD_EINVAL = -1, PD_ENOMEM = -2, PD_ERANGE = -3 };
  * vnni.c, which reads Q4_K too) */
 enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8, PD_Q4_K = 12 };
 
+/* Bytes of one 32-value ggml block of Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]}
+ * or Q8_0 {f16 d; i8 qs[32]}; 0 for the other types. */
+static inline int pd_block_bytes(int qtype) {
+    return qtype == PD_Q4_0 ? 18 : qtype == PD_Q4_1 ? 20 : qtype == PD_Q8_0 ? 34 : 0;
+}
+
+/* Bytes of one of those blocks' codes (two 4-bit codes a byte, or one 8-bit code). */
+static inline int pd_code_bytes(int qtype) { return qtype == PD_Q8_0 ? 32 : 16; }
+
 /* ------------------------------------------------------------------ what the library exports
  * Declared once here, so that every definition is checked against its declaration and the
  * files that call each other's kernels (moe.c runs sgemm.c's GEMM and elementwise.c's silu,

@@ -41,17 +41,6 @@ static inline float f16_to_f32(const uint8_t *p) {
  * and offsets m ([N, K/32]; m = -8d for Q4_0, none for Q8_0), so the inner loop does no
  * half-float conversion and the offsets become one short dot product per output.
  */
-static inline int block_bytes(int qtype) {
-    switch (qtype) {
-    case PD_Q4_0: return 18;
-    case PD_Q4_1: return 20;
-    case PD_Q8_0: return 34;
-    default: return 0;
-    }
-}
-
-static inline int code_bytes(int qtype) { return qtype == PD_Q8_0 ? 32 : 16; }
-
 /* One block's 32 weights as floats, exactly as gguf_dequant.py computes them. */
 static inline void dequant_block(int qtype, const uint8_t *b, float *w) {
     float d = f16_to_f32(b);
@@ -70,7 +59,7 @@ static inline void dequant_block(int qtype, const uint8_t *b, float *w) {
 
 /* Dense float32 [N, K] copy of raw blocks (the test oracle for the block layouts). */
 int pd_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out) {
-    int bb = block_bytes(qtype);
+    int bb = pd_block_bytes(qtype);
     if (bb == 0 || K % 32 != 0) return PD_EINVAL;
     int64_t nblocks = K / 32;
 #pragma omp parallel for schedule(static)
@@ -83,7 +72,7 @@ int pd_dequantize(int qtype, const uint8_t *w, int64_t N, int64_t K, float *out)
 /* raw [N, K/32 blocks] -> codes [N, K/32, code_bytes], d [N, K/32], m [N, K/32] (m unused
  * and may be NULL for Q8_0). */
 int pd_repack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *codes, float *d, float *m) {
-    int bb = block_bytes(qtype), cb = code_bytes(qtype);
+    int bb = pd_block_bytes(qtype), cb = pd_code_bytes(qtype);
     if (bb == 0 || K % 32 != 0) return PD_EINVAL;
     int64_t nb = N * (K / 32);
     for (int64_t b = 0; b < nb; b++) {
@@ -220,8 +209,8 @@ static inline __attribute__((always_inline)) void row_dot_avx2(
  * PD_ENOMEM when out of memory. */
 int pd_linear_packed(int qtype, const float *x, int64_t M, int64_t K, const uint8_t *codes, const float *d,
                      const float *m, int64_t N, float *y, int64_t ldy) {
-    if (block_bytes(qtype) == 0 || K % 32 != 0) return PD_EINVAL;
-    int64_t nblocks = K / 32, cb = code_bytes(qtype) * nblocks;
+    if (pd_block_bytes(qtype) == 0 || K % 32 != 0) return PD_EINVAL;
+    int64_t nblocks = K / 32, cb = pd_code_bytes(qtype) * nblocks;
     if (qtype == PD_Q8_0) m = NULL;
 #if PD_AVX2
     int16_t *xq = (int16_t *)malloc((size_t)(2 * M * K) * sizeof(int16_t) + (size_t)(2 * M + M * nblocks) * 4);
@@ -250,7 +239,7 @@ int pd_linear_packed(int qtype, const float *x, int64_t M, int64_t K, const uint
         for (int64_t r = 0; r < M; r++) {
             float acc = 0.0f;
             for (int64_t blk = 0; blk < nblocks; blk++) {
-                const uint8_t *c = codes + n * cb + blk * code_bytes(qtype);
+                const uint8_t *c = codes + n * cb + blk * pd_code_bytes(qtype);
                 const float *xb = x + r * K + blk * 32;
                 float db = d[n * nblocks + blk], mb = m == NULL ? 0.0f : m[n * nblocks + blk], s = 0.0f;
                 for (int j = 0; j < 32; j++) {

@@ -51,19 +51,10 @@
 #define VN_MR8 12 /* the same with one int8 term per activation (half the accumulators) */
 #define VN_MR_MAX 12
 
-static int vn_code_bytes(int qtype) { return qtype == PD_Q8_0 ? 512 : 256; }
+static int vn_code_bytes(int qtype) { return 16 * pd_code_bytes(qtype); } /* a panel's 16 columns */
 
 /* bytes of one panel's block record: codes, d, (Q4_1) m */
 static int vn_record_bytes(int qtype) { return vn_code_bytes(qtype) + 32 + (qtype == PD_Q4_1 ? 32 : 0); }
-
-static int vn_raw_block_bytes(int qtype) {
-    switch (qtype) {
-    case PD_Q4_0: return 18;
-    case PD_Q4_1: return 20;
-    case PD_Q8_0: return 34;
-    default: return 0;
-    }
-}
 
 #define VN_Q4K_SUPER 2368 /* bytes of one panel's Q4_K super-block: 16 d, 16 dmin, 8 records */
 #define VN_Q4K_RECORD 288 /* codes 256, sc 16, m 16 */
@@ -71,7 +62,7 @@ static int vn_raw_block_bytes(int qtype) {
 /* Whether pd_vnni_linear reads `qtype` with rows of K values. */
 static int vn_takes(int qtype, int64_t K) {
     if (qtype == PD_Q4_K) return K % 256 == 0;
-    return vn_raw_block_bytes(qtype) != 0 && K % 32 == 0;
+    return pd_block_bytes(qtype) != 0 && K % 32 == 0;
 }
 
 /* Bytes of one 16-column panel over K. */
@@ -134,7 +125,7 @@ static void vn_pack_q4_k(const uint8_t *raw, int64_t N, int64_t K, uint8_t *out)
 
 /* The code of column n, value k (0..K-1) of raw ggml rows: unsigned, as the layout stores it. */
 static inline uint8_t vn_code(int qtype, const uint8_t *raw, int64_t nblocks, int64_t n, int64_t k) {
-    const uint8_t *b = raw + (n * nblocks + k / 32) * vn_raw_block_bytes(qtype);
+    const uint8_t *b = raw + (n * nblocks + k / 32) * pd_block_bytes(qtype);
     int j = (int)(k % 32);
     if (qtype == PD_Q8_0) return (uint8_t)((int)(int8_t)b[2 + j] + 128);
     const uint8_t *qs = b + (qtype == PD_Q4_1 ? 4 : 2);
@@ -148,7 +139,7 @@ int pd_vnni_pack(int qtype, const uint8_t *raw, int64_t N, int64_t K, uint8_t *o
         vn_pack_q4_k(raw, N, K, out);
         return PD_OK;
     }
-    int bb = vn_raw_block_bytes(qtype);
+    int bb = pd_block_bytes(qtype);
     int64_t nblocks = K / 32, panels = (N + 15) / 16, rec = vn_record_bytes(qtype), cb = vn_code_bytes(qtype);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++) {
