@@ -83,8 +83,9 @@ def _native_ok(qtypes: Sequence[int | None], input_size: int, device: torch.devi
 
 
 def _may_round_blocks() -> bool:
-    """Whether weights may be rewritten with a bounded rounding (gguf_blocks32.py): under
-    "medium" float32 matmul precision, where bf16 products are allowed too."""
+    """Whether weights may be rewritten with a bounded rounding (gguf_blocks32.py), and the
+    few-row kernels round activations (VNNI's block integers): under "medium" float32 matmul
+    precision, where bf16 products are allowed too (on CPUs that multiply bf16 in hardware)."""
     return precision.float32_matmul_precision() == "medium"
 
 
@@ -152,8 +153,9 @@ def _vnni_stored_candidate(blocks: Sequence[tuple[int, torch.Tensor]],
 
 def _int4_candidate(blocks: Sequence[tuple[int, torch.Tensor]], source: Sequence[tuple[int | None, torch.Tensor]],
                     k: int):
-    if len(blocks) != 1 or blocks[0][0] not in gguf_int4.QTYPES or not gguf_int4.available():
-        return None
+    if len(blocks) != 1 or blocks[0][0] not in gguf_int4.QTYPES or not gguf_int4.available() or \
+            not dense_kernels.bf16_products_allowed():
+        return None  # its activations are bf16: only where the CPU multiplies bf16 in hardware
     return gguf_int4.Int4Weight(blocks[0][1], blocks[0][0], k)
 
 
@@ -206,8 +208,8 @@ def _small_rows_kernel(types: str, shape: str, groups: Sequence[tuple[int, torch
     that reads their type as stored. Returns the kernel as a crossover contender and its
     name (for crossover keys and the log)."""
     best, name = native_side, "native"
-    if not dense_kernels.bf16_products_allowed():
-        return best, name
+    if not _may_round_blocks():
+        return best, name  # every candidate rounds the activations
     for kind, make in _SMALL_CANDIDATES:
         kind = kind() if callable(kind) else kind
         contest = f"gguf-{types}|{name}|{kind}|{shape}"

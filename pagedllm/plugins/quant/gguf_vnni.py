@@ -1,5 +1,6 @@
 """Q4_0 / Q4_1 / Q8_0 (and Q4_K as stored) blocks in csrc/vnni.c's panels, for the few-row
-calls of decode and speculative verify steps on CPUs with AVX512-VNNI.
+calls of decode and speculative verify steps: on AVX512-VNNI, or in the kernel's AVX2 form
+(u8 x s8 pair products, `maddubs`) on CPUs without it, such as Zen 3.
 
 The native float32-exact kernel (quant.c) splits every activation into two int16 terms
 and costs nearly as much per extra row as for the first; VNNI's u8 x s8 dot products on
@@ -7,7 +8,9 @@ block integers in [-8191, 8191] make one row 3-4x cheaper on a Zen 4 and each mo
 still (SmolLM2's 3072 x 576 Q4_1 layer, 2 threads, weights from memory: ~100 us at 1 row
 against ~145, ~190 at 8 rows against ~385). The activations are rounded, so this serves
 only where bf16 products are allowed ("medium" float32 matmul precision), and only where
-the crossover measured it faster at load, like every other kernel choice.
+the crossover measured it faster at load, like every other kernel choice. The AVX2 form
+reads the same panels with the same numerics (2.1-2.5x the native kernel's speed on
+SmolLM2's Q4_1 layers at 1-16 rows on a 2-vCPU Xeon, running AVX2 code).
 """
 
 from __future__ import annotations
@@ -38,20 +41,31 @@ def int8_activations() -> bool:
     return setting == "int8"
 
 
-def kind(int8: bool | None = None) -> str:
+def form() -> str:
+    """The kernel's form here: "avx512" where the CPU has AVX512-VNNI, else "avx2"."""
+    forms = native.vnni_forms()
+    return forms[0] if forms else "avx512"
+
+
+def kind(int8: bool | None = None, form_: str | None = None) -> str:
     """The kernel's name in crossover keys and the log: "vnni", or "vnni8" rounding to int8
-    (`int8`; None: as `int8_activations()` says now)."""
-    return "vnni8" if (int8_activations() if int8 is None else int8) else "vnni"
+    (`int8`; None: as `int8_activations()` says now), with "-avx2" for the AVX2 form
+    (`form_`; None: this CPU's `form()`)."""
+    name = "vnni8" if (int8_activations() if int8 is None else int8) else "vnni"
+    return name + ("-avx2" if (form_ or form()) == "avx2" else "")
 
 
 class VnniLinear:
     """One layer's block groups (a fused qkv / gate_up may hold several types) in output
     order; called on x [..., K], returns float32 [rows, N]. `int8`: activations rounded to
-    int8 per block (`native.vnni_linear`'s `int8`), kind "vnni8"."""
+    int8 per block (`native.vnni_linear`'s `int8`), kind "vnni8"; `form_`: the kernel's form
+    (None: this CPU's fastest, `form()`)."""
 
-    def __init__(self, groups: Sequence[tuple[int, torch.Tensor]], k: int, int8: bool = False) -> None:
+    def __init__(self, groups: Sequence[tuple[int, torch.Tensor]], k: int, int8: bool = False,
+                 form_: str | None = None) -> None:
         self.k = k
         self.int8 = int8
+        self.form = form_ or form()
         self.weights: list[tuple[native.VnniWeight, int, int]] = []
         row = 0
         for qtype, raw in groups:
@@ -62,7 +76,7 @@ class VnniLinear:
 
     @property
     def kind(self) -> str:
-        return kind(self.int8)
+        return kind(self.int8, self.form)
 
     def tensors(self) -> list[torch.Tensor]:
         """What it holds, for the layer to register (memory accounting)."""
@@ -71,4 +85,4 @@ class VnniLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.k).float().contiguous()
         return native.linear_groups(x2, self.weights, self.n,
-                                    lambda x, w, out: native.vnni_linear(x, w, out, int8=self.int8))
+                                    lambda x, w, out: native.vnni_linear(x, w, out, int8=self.int8, form=self.form))

@@ -23,7 +23,7 @@ def test_a_candidate_that_lost_on_this_machine_is_not_built_again(monkeypatch):
             return Candidate()
         return make
 
-    monkeypatch.setattr(gguf_linear.dense_kernels, "bf16_products_allowed", lambda: True)
+    monkeypatch.setattr(gguf_linear, "_may_round_blocks", lambda: True)
     monkeypatch.setattr(gguf_linear, "_SMALL_CANDIDATES", (("lost", maker("lost")), ("new", maker("new"))))
     monkeypatch.setattr(crossover, "known", lambda what, candidates: crossover.NEVER if "|lost|" in what else None)
     asked = []

@@ -170,12 +170,13 @@ def test_smollm2_int8_activations_stay_within_their_stated_tolerance(hf_smollm2,
     from pagedllm.plugins.quant import gguf_vnni
 
     if not gguf_vnni.available():
-        pytest.skip("this CPU has no AVX512-VNNI")
+        pytest.skip("this build has no form of the VNNI kernel")
     monkeypatch.setenv("PAGEDLLM_INT8_ACTIVATIONS", "int8")
     monkeypatch.setattr(crossover, "known", lambda what, candidates=crossover.CANDIDATES: None)
     # VNNI beats the native kernel, nothing beats VNNI (neither int4, the Q4 tiles nor a dense copy)
+    v8 = gguf_vnni.kind(True)
     monkeypatch.setattr(crossover, "rows_from", lambda what, *args, **kwargs:
-                        1 if "|native|vnni8|" in what else crossover.NEVER if "|vnni8|" in what.split("amx-q4")[0]
+                        1 if f"|native|{v8}|" in what else crossover.NEVER if f"|{v8}|" in what.split("amx-q4")[0]
                         or "|int4|" in what else 1)
     llm = LLM(kv_cache_memory=KV_BYTES, max_model_len=1024)
     small = [m.gguf_small for m in llm.engine.worker.model.modules() if getattr(m, "gguf_small", None) is not None]
@@ -196,6 +197,46 @@ def test_smollm2_int8_activations_stay_within_their_stated_tolerance(hf_smollm2,
         total += len(tokens)
     assert worst <= INT8_LOGPROB_ATOL, f"int8 activations: logprobs off by {worst:.3f} from transformers float32"
     assert agree >= INT8_MIN_ARGMAX_SHARE * total, f"only {agree} of {total} tokens are transformers' argmax"
+
+
+# The VNNI kernel's AVX2 form (CPUs without AVX512-VNNI, such as Zen 3) forced into every
+# SmolLM2 layer and the head on 14-bit activations: measured on a Xeon against transformers
+# float32, logprobs of our own tokens within 0.047 and 7 of the 8 chats kept its
+# greedy tokens (the AVX512 form's results are the same up to float32 summation order).
+AVX2_FORM_LOGPROB_ATOL = 0.1
+AVX2_FORM_MIN_EQUAL_CHATS = 6
+
+
+@pytest.mark.slow
+def test_smollm2_vnni_avx2_form_stays_close_to_transformers(hf_smollm2, chat_prompts, greedy_outputs,
+                                                            monkeypatch) -> None:
+    from pagedllm.ops.cpu import crossover, native
+    from pagedllm.plugins.quant import gguf_vnni
+
+    if "avx2" not in native.vnni_forms():
+        pytest.skip("this build has no AVX2 form of the VNNI kernel")
+    monkeypatch.delenv("PAGEDLLM_INT8_ACTIVATIONS", raising=False)
+    monkeypatch.setattr(gguf_vnni, "form", lambda: "avx2")
+    monkeypatch.setattr(crossover, "known", lambda what, candidates=crossover.CANDIDATES: None)
+    # the AVX2 form beats the native kernel; nothing beats it (int4, the Q4 tiles, a dense copy)
+    monkeypatch.setattr(crossover, "rows_from", lambda what, *args, **kwargs:
+                        1 if "|native|vnni-avx2|" in what else crossover.NEVER)
+    llm = LLM(kv_cache_memory=KV_BYTES, max_model_len=1024)
+    small = [m.gguf_small for m in llm.engine.worker.model.modules() if getattr(m, "gguf_small", None) is not None]
+    assert small and all(isinstance(k, gguf_vnni.VnniLinear) and k.form == "avx2" and not k.int8 for k in small), \
+        f"not every GGUF layer on the AVX2 form: {_small_batch_kernels(llm.engine.worker.model)}"
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, logprobs=0)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in chat_prompts], params, use_tqdm=False)
+    worst, equal = 0.0, 0
+    for prompt, got, ref in zip(chat_prompts, outputs, greedy_outputs):
+        tokens = got.outputs[0].token_ids
+        equal += tokens == ref.outputs[0].token_ids  # the float32 run equals transformers
+        expected = _hf_logprobs(hf_smollm2, prompt, tokens).gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+        ours = torch.tensor([next(iter(step.values())).logprob for step in got.outputs[0].logprobs],
+                            dtype=torch.float64)
+        worst = max(worst, (ours - expected).abs().max().item())
+    assert worst <= AVX2_FORM_LOGPROB_ATOL, f"AVX2 form: logprobs off by {worst:.3f} from transformers float32"
+    assert equal >= AVX2_FORM_MIN_EQUAL_CHATS, f"AVX2 form: only {equal} of {len(CHATS)} chats kept greedy tokens"
 
 
 def test_smollm2_float32_never_takes_a_rounding_kernel(smollm2_llm) -> None:
@@ -431,10 +472,11 @@ def test_tiny_k_quants_run_as_their_32_value_rewrite(tiny_model_dir, tmp_path, m
     _assert_same_greedy(got, reference)
 
 
+@pytest.mark.parametrize("form", ["avx512", "avx2"])
 @pytest.mark.parametrize("stored_wins", [True, False], ids=["stored-wins", "rewrite-wins"])
 @pytest.mark.parametrize("linear_type", [T.Q4_K, T.Q6_K])
 def test_tiny_k_quants_are_read_as_stored_where_that_measured_faster(tiny_model_dir, tmp_path, monkeypatch,
-                                                                     linear_type, stored_wins) -> None:
+                                                                     linear_type, stored_wins, form) -> None:
     """On a CPU with AVX512-VNNI, the few-row kernel of Q4_K layers (and head) may read the
     file's own blocks (4.6 bits per weight against the 5 of their Q4_1 rewrite) where that
     contest ("vnni_k") says it is faster, else the rewrite; Q6_K layers always read their
@@ -443,18 +485,20 @@ def test_tiny_k_quants_are_read_as_stored_where_that_measured_faster(tiny_model_
     dense float32 weights, with logprobs off only by the kernel's activation rounding (1/16382
     of each 32-value block's largest value). The crossovers are forced (VNNI serves every
     float32 call) and bf16 products allowed in float32, so that nothing else rounds."""
-    from pagedllm.ops.cpu import crossover
+    from pagedllm.ops.cpu import crossover, native
     from pagedllm.plugins.quant import gguf_linear, gguf_vnni
     from pagedllm.plugins.quant.gguf_blocks32 import target_type
 
-    if not gguf_vnni.available():
-        pytest.skip("this CPU has no AVX512-VNNI")
+    if form not in native.vnni_forms():
+        pytest.skip(f"this build has no {form} form of the VNNI kernel")
+    monkeypatch.setattr(gguf_vnni, "form", lambda: form)
     hf_dir, path, _ = _k_quant_files(tiny_model_dir, tmp_path, linear_type)
     reference = _greedy(_tiny_llm(path, hf_dir), TINY_PROMPTS)  # the exact dense path
     monkeypatch.setattr(gguf_linear, "_may_round_blocks", lambda: True)
     monkeypatch.setattr(gguf_linear.dense_kernels, "bf16_products_allowed", lambda: True)
     monkeypatch.setattr(crossover, "known", lambda what, candidates=crossover.CANDIDATES: None)
-    winners = ("|native|vnni|", "|vnni|vnni_k|") if stored_wins else ("|native|vnni|",)
+    v = gguf_vnni.kind(False)
+    winners = (f"|native|{v}|", f"|{v}|{v}_k|") if stored_wins else (f"|native|{v}|",)
     monkeypatch.setattr(crossover, "rows_from",
                         lambda what, *args, **kwargs: 1 if any(w in what for w in winners) else crossover.NEVER)
     llm = _tiny_llm(path, hf_dir)
@@ -462,6 +506,7 @@ def test_tiny_k_quants_are_read_as_stored_where_that_measured_faster(tiny_model_
     read = int(linear_type) if stored_wins and linear_type == T.Q4_K else target_type(int(linear_type))
     for layer in (model.model.layers[1].mlp.down_proj, model.model.layers[0].self_attn.qkv_proj, model.lm_head):
         assert isinstance(layer.gguf_small, gguf_vnni.VnniLinear), f"{layer.prefix}: VNNI does not serve"
+        assert layer.gguf_small.form == form, f"{layer.prefix}: the {layer.gguf_small.form} form serves"
         assert {w.qtype for w, _, _ in layer.gguf_small.weights} == {read}, f"{layer.prefix}: reads the wrong blocks"
     got = _greedy(llm, TINY_PROMPTS)
     if read != linear_type:
@@ -579,19 +624,21 @@ def _teacher_forced(llm: LLM, sequences: list[list[int]]) -> list[list[tuple[int
              for token, record in zip(seq[1:], out.prompt_logprobs[1:])] for seq, out in zip(sequences, scored)]
 
 
+@pytest.mark.parametrize("form", ["avx512", "avx2"])
 @pytest.mark.parametrize("linear_type", [T.Q4_0, T.Q8_0])
-def test_tiny_int8_activations_only_where_asked(tiny_model_dir, tmp_path, monkeypatch, linear_type) -> None:
+def test_tiny_int8_activations_only_where_asked(tiny_model_dir, tmp_path, monkeypatch, linear_type, form) -> None:
     """PAGEDLLM_INT8_ACTIVATIONS=int8: where the VNNI kernel serves (forced here for every
     float32 call, bf16 products allowed in float32 so that nothing else rounds), it rounds
     activations to int8 per 32-value block, llama.cpp's numerics, and its crossovers are
     measured under a name of their own ("vnni8"). Teacher-forced on the exact dense path's
     greedy continuations, its logprobs stay within INT8_TINY_LOGPROB_ATOL of that path's and
     further off than the 14-bit kernel's (the default, "float")."""
-    from pagedllm.ops.cpu import crossover
+    from pagedllm.ops.cpu import crossover, native
     from pagedllm.plugins.quant import gguf_linear, gguf_vnni
 
-    if not gguf_vnni.available():
-        pytest.skip("this CPU has no AVX512-VNNI")
+    if form not in native.vnni_forms():
+        pytest.skip(f"this build has no {form} form of the VNNI kernel")
+    monkeypatch.setattr(gguf_vnni, "form", lambda: form)
     hf_dir = tiny_model_dir("qwen2")
     path = write_gguf(hf_dir, tmp_path / "tiny.gguf", "qwen2", linear_type)
     exact = _tiny_llm(path, hf_dir)  # the exact dense path
@@ -615,7 +662,8 @@ def test_tiny_int8_activations_only_where_asked(tiny_model_dir, tmp_path, monkey
         layer = llm.engine.worker.model.model.layers[0].mlp.gate_up_proj
         assert isinstance(layer.gguf_small, gguf_vnni.VnniLinear), "VNNI does not serve"
         assert layer.gguf_small.int8 == (setting == "int8"), f"{setting}: the kernel rounds to the wrong integers"
-        name = "vnni8" if setting == "int8" else "vnni"
+        assert layer.gguf_small.form == form, f"the {layer.gguf_small.form} form serves"
+        name = gguf_vnni.kind(setting == "int8")
         assert any(f"|native|{name}|" in what for what in asked), f"{setting}: no {name} contest in {asked}"
         got = _teacher_forced(llm, sequences)
         pairs = [(g, r) for got_seq, ref_seq in zip(got, reference) for g, r in zip(got_seq, ref_seq)]
@@ -632,7 +680,9 @@ def test_int8_activations_setting_is_checked(monkeypatch) -> None:
     from pagedllm.plugins.quant import gguf_vnni
 
     monkeypatch.delenv("PAGEDLLM_INT8_ACTIVATIONS", raising=False)
-    assert not gguf_vnni.int8_activations() and gguf_vnni.kind() == "vnni", "int8 activations without being asked"
+    assert not gguf_vnni.int8_activations() and gguf_vnni.kind() == gguf_vnni.kind(False), \
+        "int8 activations without being asked"
+    assert gguf_vnni.kind(True, "avx2") == "vnni8-avx2" and gguf_vnni.kind(False, "avx512") == "vnni"
     monkeypatch.setenv("PAGEDLLM_INT8_ACTIVATIONS", "fast")
     with pytest.raises(ValueError, match="PAGEDLLM_INT8_ACTIVATIONS must be float or int8"):
         gguf_vnni.int8_activations()

@@ -47,6 +47,16 @@
 #define PD_VNNI 0
 #endif
 
+#if PD_AVX2
+#define PD_VNNI2 1
+#else
+#define PD_VNNI2 0
+#endif
+
+/* pd_vnni_linear's flags and pd_has_vnni's forms */
+enum { PD_VNNI_INT8 = 1, PD_VNNI_FORM_AVX2 = 2, PD_VNNI_FORM_512 = 4 };
+
+#define VN2_MR 4  /* activation rows per register block of the AVX2 form (16 ymm registers) */
 #define VN_MR 8   /* activation rows per register block (two int8 terms per activation) */
 #define VN_MR8 12 /* the same with one int8 term per activation (half the accumulators) */
 #define VN_MR_MAX 12
@@ -73,7 +83,8 @@ static int64_t vn_panel_bytes(int qtype, int64_t K) {
 /* Whether a block's values carry an offset m times the block's sum of x (Q4_1, Q4_K). */
 static inline int vn_has_min(int qtype) { return qtype == PD_Q4_1 || qtype == PD_Q4_K; }
 
-int pd_has_vnni(void) { return PD_VNNI; }
+/* Which forms this build has: PD_VNNI_FORM_512 (AVX512-VNNI) and / or PD_VNNI_FORM_AVX2. */
+int pd_has_vnni(void) { return (PD_VNNI ? PD_VNNI_FORM_512 : 0) | (PD_VNNI2 ? PD_VNNI_FORM_AVX2 : 0); }
 
 /* Size in bytes of pd_vnni_pack's output; 0 for a type or K it does not take. */
 int64_t pd_vnni_packed_size(int qtype, int64_t N, int64_t K) {
@@ -281,15 +292,212 @@ static inline __attribute__((always_inline)) void vn_block(int qtype, int x8, in
     }
 #endif
 
-/* y[M, N] (row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T, W from pd_vnni_pack;
- * x8: activations rounded to int8 per block (the header's last numerics paragraph), else to
- * 14-bit integers. PD_EINVAL for a type or K it does not take or a build without AVX512-VNNI; PD_ENOMEM when
- * the activations' scratch cannot be allocated. */
-int pd_vnni_linear(int qtype, int x8, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp,
-                   int64_t N, float *y, int64_t ldy) {
+#if PD_VNNI2
+static inline float vn2_hmax(__m256 v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline float vn2_hsum(__m256 v) {
+    __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+    return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+
+static inline int32_t vn2_hsum_i32(__m256i v) {
+    __m128i m = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    m = _mm_add_epi32(m, _mm_shuffle_epi32(m, 0x4E));
+    return _mm_cvtsi128_si32(_mm_add_epi32(m, _mm_shuffle_epi32(m, 0xB1)));
+}
+
+/* 32 int32 values (each in int8 range) -> 32 bytes in order */
+static inline void vn2_store_i8(int8_t *dst, __m256i a, __m256i b, __m256i c, __m256i d) {
+    __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+    _mm256_storeu_si256((__m256i *)dst, _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+}
+
+/* vn_quantize_row for the AVX2 form: the same s and xsum; split rows as xh = X >> 7 and
+ * xl = X & 127 (also int8 ones against Q8_0, X in [-127, 127]: xh is then -1 or 0), else
+ * X itself in xh; xoff is what the kernel's int32 dot holds beyond sum(q * X): Q4_0's
+ * 8 * sum(X), Q8_0's 16384 * sum(xh) (see the header: its high term multiplies q + 128). */
+static void vn2_quantize_row(int x8, int split, int qtype, const float *x, int64_t K, int8_t *xh, int8_t *xl,
+                             float *s, float *xsum, int32_t *xoff) {
+    const float top = x8 ? 127.0f : 8191.0f;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i low7 = _mm256_set1_epi32(127);
+    for (int64_t blk = 0; blk < K / 32; blk++) {
+        __m256 v[4], mx = _mm256_setzero_ps(), sum = _mm256_setzero_ps(), inf_nan = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(x + 32 * blk + 8 * j);
+            mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, v[j]));
+            sum = _mm256_add_ps(sum, v[j]);
+            __m256 z = _mm256_sub_ps(v[j], v[j]); /* NaN exactly where v is NaN or infinite */
+            inf_nan = _mm256_or_ps(inf_nan, _mm256_cmp_ps(z, z, _CMP_UNORD_Q));
+        }
+        int bad = _mm256_movemask_ps(inf_nan) != 0;
+        float amax = vn2_hmax(mx);
+        xsum[blk] = vn2_hsum(sum);
+        float inv = amax > 0.0f ? top / amax : 0.0f;
+        s[blk] = bad ? NAN : amax / top;
+        __m256 vinv = _mm256_set1_ps(bad ? 0.0f : inv);
+        __m256i q[4], hi[4], lo[4], qsum = _mm256_setzero_si256(), hsum = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j++) {
+            q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], vinv));
+            hi[j] = _mm256_srai_epi32(q[j], 7);
+            lo[j] = _mm256_and_si256(q[j], low7);
+            qsum = _mm256_add_epi32(qsum, q[j]);
+            hsum = _mm256_add_epi32(hsum, hi[j]);
+        }
+        xoff[blk] = qtype == PD_Q4_0 ? 8 * vn2_hsum_i32(qsum) : qtype == PD_Q8_0 ? 16384 * vn2_hsum_i32(hsum) : 0;
+        if (split) {
+            vn2_store_i8(xh + 32 * blk, hi[0], hi[1], hi[2], hi[3]);
+            vn2_store_i8(xl + 32 * blk, lo[0], lo[1], lo[2], lo[3]);
+        } else {
+            vn2_store_i8(xh + 32 * blk, q[0], q[1], q[2], q[3]);
+        }
+    }
+}
+
+/* Scratch per activation row of the AVX2 form: xh (and xl when split), then s, xsum, xoff. */
+static inline int64_t vn2_row_bytes(int split, int64_t K) { return (split ? 2 * K : K) + 12 * (K / 32); }
+
+static inline __m256i vn2_bcast(const int8_t *p) { return _mm256_set1_epi32(*(const int32_t *)p); }
+
+/* y[m0 .. m0 + mr, columns 8 h .. 8 h + 7 of the panel] in the AVX2 form (one 256-bit half
+ * of each 64-byte code vector); qtype, split and mr are constants at every call site. */
+static inline __attribute__((always_inline)) void vn2_block(int qtype, int split, int mr, const uint8_t *panel,
+                                                            int64_t nblocks, const uint8_t *xq, int64_t K, int64_t m0,
+                                                            int h, int cols, float *y, int64_t ldy, int64_t c0) {
+    const int64_t rb = vn2_row_bytes(split, K), xb = split ? 2 * K : K;
+    const int64_t rec = vn_record_bytes(qtype), cb = vn_code_bytes(qtype);
+    const __m256i nib = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
+    __m256 acc[VN2_MR];
+    for (int i = 0; i < mr; i++) acc[i] = _mm256_setzero_ps();
+    for (int64_t blk = 0; blk < nblocks; blk++) {
+        const uint8_t *super = qtype == PD_Q4_K ? panel + blk / 8 * VN_Q4K_SUPER : panel;
+        const uint8_t *r = qtype == PD_Q4_K ? super + 64 + blk % 8 * VN_Q4K_RECORD : panel + blk * rec;
+        __m256i ih[VN2_MR], il[VN2_MR];
+        for (int i = 0; i < mr; i++) ih[i] = il[i] = _mm256_setzero_si256();
+        if (qtype == PD_Q8_0) {
+            /* codes c = q + 128: c * xh (|c * xh| pairs <= 32640) and xl * q (<= 32512) fit the
+             * int16 pair sums of maddubs, each widened to int32 at once */
+            for (int l = 0; l < 8; l++) {
+                __m256i c = _mm256_loadu_si256((const __m256i *)(r + 64 * l + 32 * h)), q = _mm256_xor_si256(c, flip);
+                for (int i = 0; i < mr; i++) {
+                    const int8_t *xh = (const int8_t *)(xq + (m0 + i) * rb), *xl = xh + K;
+                    int64_t k0 = 32 * blk + 4 * l;
+                    ih[i] = _mm256_add_epi32(ih[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c, vn2_bcast(xh + k0)), ones));
+                    il[i] = _mm256_add_epi32(il[i], _mm256_madd_epi16(_mm256_maddubs_epi16(vn2_bcast(xl + k0), q), ones));
+                }
+            }
+            for (int i = 0; i < mr; i++) ih[i] = _mm256_add_epi32(_mm256_slli_epi32(ih[i], 7), il[i]);
+        } else {
+            /* 4-bit codes: a block's eight products per lane pair stay within int16
+             * (15 * 127 * 2 * 8 = 30480), widened once per block */
+            for (int l = 0; l < 4; l++) {
+                __m256i v = _mm256_loadu_si256((const __m256i *)(r + 64 * l + 32 * h));
+                __m256i w0 = _mm256_and_si256(v, nib), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+                for (int i = 0; i < mr; i++) {
+                    const int8_t *xh = (const int8_t *)(xq + (m0 + i) * rb), *xl = xh + K;
+                    int64_t k0 = 32 * blk + 4 * l;
+                    ih[i] = _mm256_add_epi16(ih[i], _mm256_maddubs_epi16(w0, vn2_bcast(xh + k0)));
+                    ih[i] = _mm256_add_epi16(ih[i], _mm256_maddubs_epi16(w1, vn2_bcast(xh + k0 + 16)));
+                    if (split) {
+                        il[i] = _mm256_add_epi16(il[i], _mm256_maddubs_epi16(w0, vn2_bcast(xl + k0)));
+                        il[i] = _mm256_add_epi16(il[i], _mm256_maddubs_epi16(w1, vn2_bcast(xl + k0 + 16)));
+                    }
+                }
+            }
+            for (int i = 0; i < mr; i++) {
+                ih[i] = _mm256_madd_epi16(ih[i], split ? _mm256_set1_epi16(128) : ones);
+                if (split) ih[i] = _mm256_add_epi32(ih[i], _mm256_madd_epi16(il[i], ones));
+            }
+        }
+        __m256 d, mv = _mm256_setzero_ps();
+        if (qtype == PD_Q4_K) {
+            __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r + 256 + 8 * h))));
+            __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(r + 272 + 8 * h))));
+            __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super + 32 + 16 * h)));
+            d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(super + 16 * h))), sc);
+            mv = _mm256_sub_ps(mv, _mm256_mul_ps(dmin, m));
+        } else {
+            d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r + cb + 16 * h)));
+            if (qtype == PD_Q4_1) mv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(r + cb + 32 + 16 * h)));
+        }
+        for (int i = 0; i < mr; i++) {
+            const float *s = (const float *)(xq + (m0 + i) * rb + xb), *xsum = s + nblocks;
+            const int32_t *xoff = (const int32_t *)(xsum + nblocks);
+            __m256i dotq = ih[i];
+            if (!vn_has_min(qtype)) dotq = _mm256_sub_epi32(dotq, _mm256_set1_epi32(xoff[blk]));
+            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dotq), _mm256_mul_ps(d, _mm256_set1_ps(s[blk])), acc[i]);
+            if (vn_has_min(qtype)) acc[i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(xsum[blk]), acc[i]);
+        }
+    }
+    for (int i = 0; i < mr; i++) {
+        float *dst = y + (m0 + i) * ldy + c0 + 8 * h;
+        if (cols >= 8) {
+            _mm256_storeu_ps(dst, acc[i]);
+        } else {
+            float part[8];
+            _mm256_storeu_ps(part, acc[i]);
+            memcpy(dst, part, (size_t)cols * sizeof(float));
+        }
+    }
+}
+
+#define VN2_CALL(q, sp, r) vn2_block(q, sp, r, panel, nblocks, xq, K, m0, h, cols, y, ldy, c0)
+#define VN2_ROWS(q, sp)                                                              \
+    switch (mr) {                                                                    \
+    case 4: VN2_CALL(q, sp, 4); break;                                               \
+    case 2: VN2_CALL(q, sp, 2); break;                                               \
+    default: VN2_CALL(q, sp, 1); break;                                              \
+    }
+
+/* pd_vnni_linear's AVX2 form (the header's AVX2 paragraph). */
+static int vn2_linear(int qtype, int x8, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp,
+                      int64_t N, float *y, int64_t ldy) {
+    int split = !x8 || qtype == PD_Q8_0;
+    int64_t nblocks = K / 32, rb = vn2_row_bytes(split, K), panels = (N + 15) / 16, pbytes = vn_panel_bytes(qtype, K);
+    uint8_t *xq = (uint8_t *)aligned_alloc(64, (size_t)((M * rb + 63) / 64 * 64));
+    if (xq == NULL) return PD_ENOMEM;
+#pragma omp parallel for schedule(static) if (M * K >= 65536)
+    for (int64_t m = 0; m < M; m++) {
+        int8_t *row = (int8_t *)(xq + m * rb);
+        float *s = (float *)(row + (split ? 2 * K : K));
+        vn2_quantize_row(x8, split, qtype, x + m * ldx, K, row, row + K, s, s + nblocks, (int32_t *)(s + 2 * nblocks));
+    }
+    /* a thread takes a panel's 8-column half: twice the work items of whole panels */
+#pragma omp parallel for schedule(static) if (M * N * K >= 262144)
+    for (int64_t ph = 0; ph < 2 * panels; ph++) {
+        int64_t p = ph / 2, c0 = 16 * p;
+        int h = (int)(ph % 2);
+        int64_t cols64 = N - c0 - 8 * h;
+        if (cols64 <= 0) continue;
+        int cols = cols64 < 8 ? (int)cols64 : 8;
+        const uint8_t *panel = wp + p * pbytes;
+        for (int64_t m0 = 0, mr; m0 < M; m0 += mr) {
+            int64_t left = M - m0;
+            mr = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+            if (qtype == PD_Q4_0) {
+                if (split) { VN2_ROWS(PD_Q4_0, 1) } else { VN2_ROWS(PD_Q4_0, 0) }
+            } else if (qtype == PD_Q4_1) {
+                if (split) { VN2_ROWS(PD_Q4_1, 1) } else { VN2_ROWS(PD_Q4_1, 0) }
+            } else if (qtype == PD_Q4_K) {
+                if (split) { VN2_ROWS(PD_Q4_K, 1) } else { VN2_ROWS(PD_Q4_K, 0) }
+            } else {
+                VN2_ROWS(PD_Q8_0, 1)
+            }
+        }
+    }
+    free(xq);
+    return PD_OK;
+}
+#endif
+
 #if PD_VNNI
-    if (!vn_takes(qtype, K)) return PD_EINVAL;
-    if (M <= 0 || N <= 0) return PD_OK;
+static int vn512_linear(int qtype, int x8, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp,
+                        int64_t N, float *y, int64_t ldy) {
     int64_t nblocks = K / 32, rb = vn_row_bytes(x8, K), panels = (N + 15) / 16, pbytes = vn_panel_bytes(qtype, K);
     int block_rows = x8 ? VN_MR8 : VN_MR;
     uint8_t *xq = (uint8_t *)aligned_alloc(64, (size_t)((M * rb + 63) / 64 * 64));
@@ -325,8 +533,27 @@ int pd_vnni_linear(int qtype, int x8, const float *x, int64_t ldx, int64_t M, in
     }
     free(xq);
     return PD_OK;
+}
+#endif
+
+/* y[M, N] (row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T, W from pd_vnni_pack.
+ * flags: PD_VNNI_INT8, activations rounded to int8 per block (the header's int8 paragraph),
+ * else to 14-bit integers; PD_VNNI_FORM_AVX2, the AVX2 form even where AVX512-VNNI is built
+ * (for tests; a build without AVX512-VNNI always runs it). PD_EINVAL for a type or K it does
+ * not take or a build with neither form; PD_ENOMEM when the activations' scratch cannot be
+ * allocated. */
+int pd_vnni_linear(int qtype, int flags, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp,
+                   int64_t N, float *y, int64_t ldy) {
+    if (!vn_takes(qtype, K) || !pd_has_vnni()) return PD_EINVAL;
+    if (M <= 0 || N <= 0) return PD_OK;
+    int x8 = (flags & PD_VNNI_INT8) != 0;
+#if PD_VNNI
+    if (!(flags & PD_VNNI_FORM_AVX2)) return vn512_linear(qtype, x8, x, ldx, M, K, wp, N, y, ldy);
+#endif
+#if PD_VNNI2
+    return vn2_linear(qtype, x8, x, ldx, M, K, wp, N, y, ldy);
 #else
-    (void)qtype, (void)x8, (void)x, (void)ldx, (void)M, (void)K, (void)wp, (void)N, (void)y, (void)ldy;
+    (void)x8, (void)x, (void)ldx, (void)wp, (void)y, (void)ldy;
     return PD_EINVAL;
 #endif
 }
