@@ -40,6 +40,33 @@ def report(line: str) -> None:
     else:
         print(line)
 
+@pytest.fixture(scope="session")
+def avx2_lib(tmp_path_factory):
+    """The native kernels as an AVX2-only CPU (Zen 3) builds them: -march=x86-64-v3, no
+    AVX-512, AMX or AVX512-VNNI; skipped where this CPU cannot run that build."""
+    from pagedllm.ops.cpu import features, native
+    from tests._native_builds import AVX2_BUILD_NEEDS, build_library
+
+    if TEST_DEVICE != "cpu" or not native.switched_on():
+        pytest.skip("the native CPU kernels are off")
+    if not AVX2_BUILD_NEEDS <= features.detect().flags:
+        pytest.skip("this CPU cannot run an x86-64-v3 build")
+    return build_library(tmp_path_factory.mktemp("avx2-kernels") / "cpu_kernels_avx2.so", "x86-64-v3")
+
+
+@pytest.fixture
+def avx2_build(avx2_lib, monkeypatch):
+    """Route every native kernel through `avx2_lib`, with the CPU's flags masked to what that
+    build uses: the engine then takes the paths an AVX2-only CPU takes."""
+    from pagedllm.ops.cpu import features, native
+    from tests._native_builds import avx2_only_features
+
+    masked = avx2_only_features()
+    monkeypatch.setattr(native, "kernels", lambda: avx2_lib)
+    monkeypatch.setattr(features, "detect", lambda: masked)
+    return avx2_lib
+
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "Hello world! Paris is the capital of France.",

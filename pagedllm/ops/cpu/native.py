@@ -782,21 +782,21 @@ class VnniWeight:
 
 
 # pd_has_vnni's forms and pd_vnni_linear's flags (csrc/vnni.c)
-_VNNI_INT8, _VNNI_FORM_AVX2, _VNNI_FORM_512 = 1, 2, 4
+_VNNI_FORMS = {1: "avx512", 2: "avx2"}
+_VNNI_INT8 = 1
 
 
-def vnni_forms() -> tuple[str, ...]:
-    """The forms of csrc/vnni.c's kernel this build has, fastest first: "avx512" (AVX512-VNNI
-    dot products) and "avx2" (the same panels and numerics on AVX2's u8 x s8 pair products,
-    for CPUs without VNNI such as Zen 3)."""
+def vnni_form() -> str | None:
+    """The form of csrc/vnni.c's kernel this build has: "avx512" (AVX512-VNNI dot products),
+    "avx2" (the same panels and numerics on AVX2's u8 x s8 pair products, for CPUs without
+    AVX512-VNNI such as Zen 3), or None."""
     lib = kernels()
-    forms = lib.pd_has_vnni() if lib is not None else 0
-    return tuple(name for bit, name in ((_VNNI_FORM_512, "avx512"), (_VNNI_FORM_AVX2, "avx2")) if forms & bit)
+    return _VNNI_FORMS.get(lib.pd_has_vnni()) if lib is not None else None
 
 
 def vnni_available() -> bool:
     """True where the library has a form of csrc/vnni.c's kernel (AVX512-VNNI or AVX2)."""
-    return bool(vnni_forms())
+    return vnni_form() is not None
 
 
 def pack_vnni(raw: torch.Tensor, qtype: int, k: int) -> VnniWeight:
@@ -817,34 +817,28 @@ def vnni_reads(qtype: int, k: int) -> bool:
     return qtype in VNNI_QTYPES and k % _BLOCKS[qtype][0] == 0
 
 
-def vnni_linear(x: torch.Tensor, w: VnniWeight, out: torch.Tensor | None = None, int8: bool = False,
-                form: str | None = None) -> torch.Tensor:
-    """x [M, K] float32 @ W^T -> float32 [M, N]; `out` may be a column slice of a wider
-    float32 output. Not float32-exact: each 32-value block of a row of x is rounded to
-    integers of 1/8191 of its largest value (error at most 1/16382 of it, finer than bf16
-    above 1/32 of the block maximum), so it serves where bf16 products are allowed; the
-    products and their sums are exact per block, then summed in float32.
+def vnni_linear(x: torch.Tensor, w: VnniWeight, out: torch.Tensor | None = None, int8: bool = False) -> torch.Tensor:
+    """x [M, K] float32 @ W^T -> float32 [M, N] in this build's `vnni_form()`; `out` may be
+    a column slice of a wider float32 output. Not float32-exact: each 32-value block of a row
+    of x is rounded to integers of 1/8191 of its largest value (error at most 1/16382 of it,
+    finer than bf16 above 1/32 of the block maximum), so it serves where bf16 products are
+    allowed; the products and their sums are exact per block, then summed in float32 (both
+    forms give the same integers; their float32 sums may differ in order).
 
     `int8`: the block rounded to integers of 1/127 of its largest value instead (error at
     most 1/254 of it: llama.cpp's Q8 activations), one u8 x s8 product per weight where
-    the finer form takes two (csrc/vnni.c). `form`: one of `vnni_forms()` (None: the first,
-    the fastest); the forms' results differ only in float32 summation order."""
+    the finer form takes two (csrc/vnni.c)."""
     m, k = x.shape
     if k != w.k:
         raise ValueError(f"x has {k} columns, the weight {w.k}")
-    forms = vnni_forms()
-    form = form or (forms[0] if forms else "avx512")
-    if form not in forms:
-        raise RuntimeError(f"pd_vnni_linear: this build has no {form} form (it has: {', '.join(forms) or 'none'}; "
-                           "check vnni_available() first)")
     out = _output(out, m, w.n)
-    flags = (_VNNI_INT8 if int8 else 0) | (_VNNI_FORM_AVX2 if form == "avx2" else 0)
-    rc = _lib().pd_vnni_linear(w.qtype, flags, _ptr(x, "x", torch.float32), k, m, k, w.panels.data_ptr(), w.n,
-                               out.data_ptr(), out.stride(0))
+    rc = _lib().pd_vnni_linear(w.qtype, _VNNI_INT8 if int8 else 0, _ptr(x, "x", torch.float32), k, m, k,
+                               w.panels.data_ptr(), w.n, out.data_ptr(), out.stride(0))
     if rc == PD_ENOMEM:
         raise MemoryError(f"pd_vnni_linear: out of memory for {m}x{k} activations")
     if rc != PD_OK:
-        raise RuntimeError(f"pd_vnni_linear: failed ({rc}) for ggml type {w.qtype}, K={k}")
+        raise RuntimeError("pd_vnni_linear: this build has neither AVX512-VNNI nor AVX2 (check vnni_available() "
+                           "first)")
     return out
 
 

@@ -43,8 +43,7 @@ def int8_activations() -> bool:
 
 def form() -> str:
     """The kernel's form here: "avx512" where the CPU has AVX512-VNNI, else "avx2"."""
-    forms = native.vnni_forms()
-    return forms[0] if forms else "avx512"
+    return native.vnni_form() or "avx512"
 
 
 def kind(int8: bool | None = None, form_: str | None = None) -> str:
@@ -58,14 +57,13 @@ def kind(int8: bool | None = None, form_: str | None = None) -> str:
 class VnniLinear:
     """One layer's block groups (a fused qkv / gate_up may hold several types) in output
     order; called on x [..., K], returns float32 [rows, N]. `int8`: activations rounded to
-    int8 per block (`native.vnni_linear`'s `int8`), kind "vnni8"; `form_`: the kernel's form
-    (None: this CPU's fastest, `form()`)."""
+    int8 per block (`native.vnni_linear`'s `int8`), kind "vnni8"; `form`: the build's
+    (`form()`), for the kind's name."""
 
-    def __init__(self, groups: Sequence[tuple[int, torch.Tensor]], k: int, int8: bool = False,
-                 form_: str | None = None) -> None:
+    def __init__(self, groups: Sequence[tuple[int, torch.Tensor]], k: int, int8: bool = False) -> None:
         self.k = k
         self.int8 = int8
-        self.form = form_ or form()
+        self.form = form()
         self.weights: list[tuple[native.VnniWeight, int, int]] = []
         row = 0
         for qtype, raw in groups:
@@ -85,4 +83,4 @@ class VnniLinear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.k).float().contiguous()
         return native.linear_groups(x2, self.weights, self.n,
-                                    lambda x, w, out: native.vnni_linear(x, w, out, int8=self.int8, form=self.form))
+                                    lambda x, w, out: native.vnni_linear(x, w, out, int8=self.int8))

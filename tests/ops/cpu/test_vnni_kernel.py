@@ -19,13 +19,23 @@ from tests._ggml_blocks import BLOCK_BYTES, random_blocks
 
 require_native()
 needs_vnni = pytest.mark.skipif(not native.vnni_available(), reason="this build has no form of the VNNI kernel")
-# every test below that multiplies runs each form this build has (an AVX512-VNNI machine has both)
+# every test below that multiplies runs in both forms: this machine's build, and the AVX2-only
+# build where this one has the AVX512 form
 FORMS = pytest.mark.parametrize("form", ["avx512", "avx2"])
 
 
-def _need(form: str) -> None:
-    if form not in native.vnni_forms():
-        pytest.skip(f"this build has no {form} form of the VNNI kernel")
+@pytest.fixture
+def use_form(request):
+    """use_form(form): route `native` through a build with that form of the kernel, or skip."""
+    def use(form: str) -> None:
+        if native.vnni_form() == form:
+            return
+        if form == "avx2":
+            request.getfixturevalue("avx2_build")
+            if native.vnni_form() == "avx2":
+                return
+        pytest.skip(f"no build here has the {form} form of the VNNI kernel")
+    return use
 
 QTYPES = {"Q4_0": Q4_0, "Q4_1": Q4_1, "Q8_0": Q8_0}
 K_QUANTS = {"Q4_K": Q4_K}  # rows of whole 256-value super-blocks
@@ -53,18 +63,18 @@ def _expected(x: torch.Tensor, raw: torch.Tensor, qtype: int, int8: bool = False
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 32), (3, 40, 64), (8, 33, 96), (9, 576, 576), (17, 100, 96),
                                           (2, 1, 32), (64, 48, 160), (31, 24, 64)])
 @FORMS
-def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k, int8, form):
+def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k, int8, form, use_form):
     """Edges: columns not a multiple of the 16-column panel, row counts that split into every
     register block size (12 or 8, then 8, 4, 2, 1: 31 = 12 + 12 + 4 + 2 + 1 and 24 + 4 + 2 + 1),
     one-column and one-block weights."""
-    _need(form)
+    use_form(form)
     qtype = QTYPES[name]
     gen = torch.Generator().manual_seed(qtype * 1000 + m * 100 + n + k)
     raw = random_blocks(qtype, n, k, gen)
     x = torch.randn(m, k, generator=gen) * torch.rand(m, k // 32, 1, generator=gen).expand(m, k // 32, 32).reshape(m, k)
     w = native.pack_vnni(raw, qtype, k)
     assert w.nbytes == (n + 15) // 16 * 16 * k // 32 * BLOCK_BYTES[qtype], "the panels are not the file's bytes"
-    got = native.vnni_linear(x, w, int8=int8, form=form)
+    got = native.vnni_linear(x, w, int8=int8)
     assert got.shape == (m, n) and got.dtype == torch.float32
     expected, bound = _expected(x, raw, qtype, int8)
     assert_close_to(got, expected, bound, f"{name} M={m} N={n} K={k} int8={int8}")
@@ -76,11 +86,11 @@ def test_vnni_linear_matches_float64_within_its_rounding(name, m, n, k, int8, fo
 @pytest.mark.parametrize(("m", "n", "k"), [(1, 16, 256), (3, 40, 512), (8, 33, 256), (9, 100, 768), (17, 24, 256),
                                           (2, 1, 256)])
 @FORMS
-def test_vnni_linear_reads_k_quants_as_stored(name, m, n, k, int8, form):
+def test_vnni_linear_reads_k_quants_as_stored(name, m, n, k, int8, form, use_form):
     """Q4_K's codes and sub-block scales as the file holds them (4.625 bits per weight, against
     5 for its Q4_1 rewrite): the same error bound as the 32-value types, the weights
     themselves exact; edges of panels, row blocks and one column."""
-    _need(form)
+    use_form(form)
     qtype = K_QUANTS[name]
     gen = torch.Generator().manual_seed(qtype * 1000 + m * 100 + n + k)
     raw = random_blocks(qtype, n, k, gen)
@@ -88,38 +98,38 @@ def test_vnni_linear_reads_k_quants_as_stored(name, m, n, k, int8, form):
     w = native.pack_vnni(raw, qtype, k)
     assert w.nbytes == (n + 15) // 16 * 16 * k // 256 * K_QUANT_COLUMN_BYTES[qtype], f"{name}: panel size"
     expected, bound = _expected(x, raw, qtype, int8)
-    assert_close_to(native.vnni_linear(x, w, int8=int8, form=form), expected, bound,
+    assert_close_to(native.vnni_linear(x, w, int8=int8), expected, bound,
                     f"{name} M={m} N={n} K={k} int8={int8} {form}")
 
 
 @needs_vnni
 @pytest.mark.parametrize("name", ALL_QTYPES)
 @FORMS
-def test_vnni_linear_is_much_closer_than_bf16_activations(name, form):
+def test_vnni_linear_is_much_closer_than_bf16_activations(name, form, use_form):
     """The point of 13-bit block integers: on smooth activations the error is well below what
     rounding x to bf16 alone gives."""
-    _need(form)
+    use_form(form)
     qtype = ALL_QTYPES[name]
     gen = torch.Generator().manual_seed(5)
     raw = random_blocks(qtype, 64, 256, gen)
     x = torch.randn(4, 256, generator=gen)
     expected, _ = _expected(x, raw, qtype)
-    vnni_err = (native.vnni_linear(x, native.pack_vnni(raw, qtype, 256), form=form).double() - expected).abs().mean()
+    vnni_err = (native.vnni_linear(x, native.pack_vnni(raw, qtype, 256)).double() - expected).abs().mean()
     bf16_err = (_expected(x.bfloat16().float(), raw, qtype)[0] - expected).abs().mean()
     assert vnni_err < 0.25 * bf16_err, f"{name}: mean error {vnni_err:.3g} vs bf16 activations' {bf16_err:.3g}"
 
 
 @needs_vnni
 @FORMS
-def test_vnni_linear_writes_a_column_slice_and_nothing_else(form):
-    _need(form)
+def test_vnni_linear_writes_a_column_slice_and_nothing_else(form, use_form):
+    use_form(form)
     gen = torch.Generator().manual_seed(3)
     raw = random_blocks(Q4_1, 24, 64, gen)
     x = torch.randn(5, 64, generator=gen)
     out = torch.full((5, 40), 7.0)
     w = native.pack_vnni(raw, Q4_1, 64)
-    native.vnni_linear(x, w, out[:, 10:34], form=form)
-    assert torch.equal(out[:, 10:34], native.vnni_linear(x, w, form=form)), \
+    native.vnni_linear(x, w, out[:, 10:34])
+    assert torch.equal(out[:, 10:34], native.vnni_linear(x, w)), \
         "a column slice got other values than a whole output"
     assert (out[:, :10] == 7).all() and (out[:, 34:] == 7).all(), "columns outside the slice were written"
 
@@ -140,11 +150,11 @@ def _offsets(raw: torch.Tensor, qtype: int, k: int) -> torch.Tensor:
 @needs_vnni
 @pytest.mark.parametrize("name", ALL_QTYPES)
 @FORMS
-def test_vnni_linear_int8_rounds_like_llama_cpp(name, form):
+def test_vnni_linear_int8_rounds_like_llama_cpp(name, form, use_form):
     """The int8 form is not the 14-bit one with a looser bound: its error is that of rounding
     each block of x to 1/127 of its maximum (llama.cpp's Q8 activations) in the products with
     the codes and nothing more (Q4_1's and Q4_K's offsets multiply the block's exact sum)."""
-    _need(form)
+    use_form(form)
     qtype = ALL_QTYPES[name]
     gen = torch.Generator().manual_seed(7)
     raw = random_blocks(qtype, 48, 256, gen)
@@ -155,10 +165,10 @@ def test_vnni_linear_int8_rounds_like_llama_cpp(name, form):
     scaled, bound = _expected(rounded, raw, qtype)  # the rounded x, with the 14-bit bound
     expected = scaled + (x.double() - rounded.double()) @ _offsets(raw, qtype, 256).T
     w = native.pack_vnni(raw, qtype, 256)
-    assert_close_to(native.vnni_linear(x, w, int8=True, form=form), expected, bound, f"{name}: int8 rounding")
+    assert_close_to(native.vnni_linear(x, w, int8=True), expected, bound, f"{name}: int8 rounding")
     exact, _ = _expected(x, raw, qtype)
-    int8_err = (native.vnni_linear(x, w, int8=True, form=form).double() - exact).abs().mean()
-    fine_err = (native.vnni_linear(x, w, form=form).double() - exact).abs().mean()
+    int8_err = (native.vnni_linear(x, w, int8=True).double() - exact).abs().mean()
+    fine_err = (native.vnni_linear(x, w).double() - exact).abs().mean()
     assert int8_err > 4 * fine_err, f"{name}: the int8 form is as close as the 14-bit one: did it round at all?"
 
 
@@ -166,20 +176,20 @@ def test_vnni_linear_int8_rounds_like_llama_cpp(name, form):
 @pytest.mark.parametrize("int8", [False, True], ids=["14bit", "int8"])
 @pytest.mark.parametrize("name", ALL_QTYPES)
 @FORMS
-def test_vnni_linear_keeps_nan_inf_and_zero_rows_apart(name, int8, form):
+def test_vnni_linear_keeps_nan_inf_and_zero_rows_apart(name, int8, form, use_form):
     """A NaN or infinity in one row's block makes that row NaN and leaves the others as they
     were; an all-zero row gives zeros (its block scales are 0, not 0/0)."""
-    _need(form)
+    use_form(form)
     qtype = ALL_QTYPES[name]
     k = 256 if qtype in K_QUANTS.values() else 96
     gen = torch.Generator().manual_seed(11)
     raw = random_blocks(qtype, 20, k, gen)
     w = native.pack_vnni(raw, qtype, k)
     x = torch.randn(6, k, generator=gen)
-    clean = native.vnni_linear(x, w, int8=int8, form=form)
+    clean = native.vnni_linear(x, w, int8=int8)
     x[1, 40], x[3, k - 1] = float("nan"), float("inf")
     x[4] = 0
-    got = native.vnni_linear(x, w, int8=int8, form=form)
+    got = native.vnni_linear(x, w, int8=int8)
     assert got[[1, 3]].isnan().all(), f"{name}: a non-finite activation did not poison its row"
     assert torch.equal(got[[0, 2, 5]], clean[[0, 2, 5]]), f"{name}: a non-finite row changed other rows"
     assert torch.equal(got[4], torch.zeros(20)), f"{name}: an all-zero row is not zero"
@@ -202,13 +212,13 @@ def test_vnni_linear_refuses_bad_operands():
 @needs_vnni
 @FORMS
 @pytest.mark.parametrize("name", ALL_QTYPES)
-def test_vnni_linear_extreme_codes_and_activations_do_not_saturate(name, form):
+def test_vnni_linear_extreme_codes_and_activations_do_not_saturate(name, form, use_form):
     """The AVX2 form sums u8 x s8 pairs in int16 (maddubs), and a 4-bit block's eight such
     sums before widening: codes at their ends (Q4: 0 and 15; Q8_0: -128 and 127) against
     activations at the block maximum (X = 8191: xh = 63, xl = 127) and its negation (xh =
     -64) reach the largest sums the form allows; wrapping or saturating would show as
     errors far beyond the rounding bound."""
-    _need(form)
+    use_form(form)
     qtype = ALL_QTYPES[name]
     k = 256
     gen = torch.Generator().manual_seed(13)
@@ -228,14 +238,14 @@ def test_vnni_linear_extreme_codes_and_activations_do_not_saturate(name, form):
     x[4, 1::2] = 0.25  # the maximum in every other value only
     x[5] = -x[4]
     expected, bound = _expected(x, raw, qtype)
-    assert_close_to(native.vnni_linear(x, native.pack_vnni(raw, qtype, k), form=form), expected, bound,
+    assert_close_to(native.vnni_linear(x, native.pack_vnni(raw, qtype, k)), expected, bound,
                     f"{name} extreme codes ({form})")
 
 
-@pytest.mark.skipif(native.vnni_forms() != ("avx512", "avx2"), reason="needs both forms of the VNNI kernel")
+@pytest.mark.skipif(native.vnni_form() != "avx512", reason="needs the AVX512 form here to compare with")
 @pytest.mark.parametrize("int8", [False, True], ids=["14bit", "int8"])
 @pytest.mark.parametrize("name", ALL_QTYPES)
-def test_vnni_forms_agree(name, int8):
+def test_vnni_forms_agree(name, int8, request):
     """The AVX2 form rounds the activations as the AVX512 one does and sums the same exact
     integer products per block: Q4_0's and Q8_0's results are bitwise equal; Q4_1 and Q4_K
     differ only by the float32 order of each block's sum of x (their offsets' factor)."""
@@ -244,7 +254,10 @@ def test_vnni_forms_agree(name, int8):
     raw = random_blocks(qtype, 70, 512, gen)
     x = torch.randn(11, 512, generator=gen)
     w = native.pack_vnni(raw, qtype, 512)
-    wide, narrow = (native.vnni_linear(x, w, int8=int8, form=form) for form in ("avx512", "avx2"))
+    wide = native.vnni_linear(x, w, int8=int8)
+    request.getfixturevalue("avx2_build")
+    assert native.vnni_form() == "avx2"
+    narrow = native.vnni_linear(x, w, int8=int8)
     if qtype in (Q4_0, Q8_0):
         assert torch.equal(wide, narrow), f"{name}: the forms' results differ"
     else:
@@ -276,5 +289,5 @@ def test_builds_without_vnni_say_so(portable_lib, monkeypatch):
     assert not native.vnni_available()
     raw = random_blocks(Q4_1, 16, 32, torch.Generator().manual_seed(0))
     w = native.pack_vnni(raw, Q4_1, 32)
-    with pytest.raises(RuntimeError, match="no avx512 form"):
+    with pytest.raises(RuntimeError, match="neither AVX512-VNNI nor AVX2"):
         native.vnni_linear(torch.randn(1, 32), w)

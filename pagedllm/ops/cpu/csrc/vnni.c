@@ -47,14 +47,17 @@
 #define PD_VNNI 0
 #endif
 
-#if PD_AVX2
+/* The AVX2 form, only where there is no AVX512-VNNI (it would never win there, and its
+ * build would lengthen the first start-up); tests build an AVX2-only library to run it. */
+#if PD_AVX2 && !PD_VNNI
 #define PD_VNNI2 1
 #else
 #define PD_VNNI2 0
 #endif
 
 /* pd_vnni_linear's flags and pd_has_vnni's forms */
-enum { PD_VNNI_INT8 = 1, PD_VNNI_FORM_AVX2 = 2, PD_VNNI_FORM_512 = 4 };
+enum { PD_VNNI_INT8 = 1 };
+enum { PD_VNNI_FORM_512 = 1, PD_VNNI_FORM_AVX2 = 2 };
 
 #define VN2_MR 4  /* activation rows per register block of the AVX2 form (16 ymm registers) */
 #define VN_MR 8   /* activation rows per register block (two int8 terms per activation) */
@@ -83,8 +86,8 @@ static int64_t vn_panel_bytes(int qtype, int64_t K) {
 /* Whether a block's values carry an offset m times the block's sum of x (Q4_1, Q4_K). */
 static inline int vn_has_min(int qtype) { return qtype == PD_Q4_1 || qtype == PD_Q4_K; }
 
-/* Which forms this build has: PD_VNNI_FORM_512 (AVX512-VNNI) and / or PD_VNNI_FORM_AVX2. */
-int pd_has_vnni(void) { return (PD_VNNI ? PD_VNNI_FORM_512 : 0) | (PD_VNNI2 ? PD_VNNI_FORM_AVX2 : 0); }
+/* Which form this build has: PD_VNNI_FORM_512 (AVX512-VNNI), PD_VNNI_FORM_AVX2, or 0 (neither). */
+int pd_has_vnni(void) { return PD_VNNI ? PD_VNNI_FORM_512 : PD_VNNI2 ? PD_VNNI_FORM_AVX2 : 0; }
 
 /* Size in bytes of pd_vnni_pack's output; 0 for a type or K it does not take. */
 int64_t pd_vnni_packed_size(int qtype, int64_t N, int64_t K) {
@@ -536,21 +539,19 @@ static int vn512_linear(int qtype, int x8, const float *x, int64_t ldx, int64_t 
 }
 #endif
 
-/* y[M, N] (row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T, W from pd_vnni_pack.
- * flags: PD_VNNI_INT8, activations rounded to int8 per block (the header's int8 paragraph),
- * else to 14-bit integers; PD_VNNI_FORM_AVX2, the AVX2 form even where AVX512-VNNI is built
- * (for tests; a build without AVX512-VNNI always runs it). PD_EINVAL for a type or K it does
- * not take or a build with neither form; PD_ENOMEM when the activations' scratch cannot be
- * allocated. */
+/* y[M, N] (row stride ldy) = x[M, K] (float32, row stride ldx) @ W^T, W from pd_vnni_pack,
+ * in this build's form (pd_has_vnni). flags: PD_VNNI_INT8, activations rounded to int8 per
+ * block (the header's int8 paragraph), else to 14-bit integers. PD_EINVAL for a type or K it
+ * does not take or a build with neither form; PD_ENOMEM when the activations' scratch cannot
+ * be allocated. */
 int pd_vnni_linear(int qtype, int flags, const float *x, int64_t ldx, int64_t M, int64_t K, const uint8_t *wp,
                    int64_t N, float *y, int64_t ldy) {
     if (!vn_takes(qtype, K) || !pd_has_vnni()) return PD_EINVAL;
     if (M <= 0 || N <= 0) return PD_OK;
     int x8 = (flags & PD_VNNI_INT8) != 0;
 #if PD_VNNI
-    if (!(flags & PD_VNNI_FORM_AVX2)) return vn512_linear(qtype, x8, x, ldx, M, K, wp, N, y, ldy);
-#endif
-#if PD_VNNI2
+    return vn512_linear(qtype, x8, x, ldx, M, K, wp, N, y, ldy);
+#elif PD_VNNI2
     return vn2_linear(qtype, x8, x, ldx, M, K, wp, N, y, ldy);
 #else
     (void)x8, (void)x, (void)ldx, (void)wp, (void)y, (void)ldy;
