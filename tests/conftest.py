@@ -40,31 +40,29 @@ def report(line: str) -> None:
     else:
         print(line)
 
-@pytest.fixture(scope="session")
-def avx2_lib(tmp_path_factory):
-    """The native kernels as an AVX2-only CPU (Zen 3) builds them: -march=x86-64-v3, no
-    AVX-512, AMX or AVX512-VNNI; skipped where this CPU cannot run that build."""
+@pytest.fixture
+def avx2_build():
+    """The engine as PAGEDLLM_CPU_MAX_ISA=avx2 runs it: the native kernels built without
+    AVX-512 or AMX (what a Zen 3 runs) and the CPU's flags read without them, so an AVX-512
+    machine's tests also take the AVX2 paths. Yields the AVX2 library."""
     from pagedllm.ops.cpu import features, native
-    from tests._native_builds import AVX2_BUILD_NEEDS, build_library
 
     if TEST_DEVICE != "cpu" or not native.switched_on():
         pytest.skip("the native CPU kernels are off")
-    if not AVX2_BUILD_NEEDS <= features.detect().flags:
-        pytest.skip("this CPU cannot run an x86-64-v3 build")
-    return build_library(tmp_path_factory.mktemp("avx2-kernels") / "cpu_kernels_avx2.so", "x86-64-v3")
-
-
-@pytest.fixture
-def avx2_build(avx2_lib, monkeypatch):
-    """Route every native kernel through `avx2_lib`, with the CPU's flags masked to what that
-    build uses: the engine then takes the paths an AVX2-only CPU takes."""
-    from pagedllm.ops.cpu import features, native
-    from tests._native_builds import avx2_only_features
-
-    masked = avx2_only_features()
-    monkeypatch.setattr(native, "kernels", lambda: avx2_lib)
-    monkeypatch.setattr(features, "detect", lambda: masked)
-    return avx2_lib
+    if not {"avx2", "fma", "f16c"} <= features.detect().flags:
+        pytest.skip("this CPU has no AVX2 / FMA / F16C")
+    limit = pytest.MonkeyPatch()
+    limit.setenv("PAGEDLLM_CPU_MAX_ISA", "avx2")
+    features.detect.cache_clear()
+    native.forget_kernels()
+    try:
+        lib = native.kernels()
+        assert lib is not None, "the AVX2 build of the native kernels failed"
+        yield lib
+    finally:
+        limit.undo()
+        features.detect.cache_clear()
+        native.forget_kernels()
 
 
 CORPUS = [

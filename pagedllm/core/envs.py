@@ -44,6 +44,11 @@ ENV_VARS: dict[str, EnvVar] = {
         EnvVar("PAGEDLLM_CPU_KERNELS", None,
                "1 (default) builds and uses the native CPU kernels when a C compiler is found (packed dense "
                "float32 weights, step replay); 0 keeps plain torch ops."),
+        EnvVar("PAGEDLLM_CPU_MAX_ISA", None,
+               "native (default), avx512_bf16 or avx2: the most of this CPU's instruction set pagedllm's CPU "
+               "kernels and kernel choices use (avx512_bf16: no AMX, as on a Zen 4; avx2: no AVX-512 or AMX, as "
+               "on a Zen 3); the kernels are built for it and the CPU's flags read without the rest. To compare "
+               "paths on one machine or step around one. torch's own oneDNN follows ONEDNN_MAX_CPU_ISA."),
         EnvVar("PAGEDLLM_CACHE_DIR", None,
                "Where built native kernels and measured kernel crossovers are cached (default ~/.cache/pagedllm)."),
         EnvVar("PAGEDLLM_FLOAT32_MATMUL_PRECISION", None,
@@ -55,8 +60,8 @@ ENV_VARS: dict[str, EnvVar] = {
                "multiplies fp8 (CUDA 8.9+) and run weight-only (W8A16) elsewhere, every CPU included, as vLLM "
                "does on GPUs without fp8; fp8: quantize them everywhere (a GPU's W8A8 numerics); float: never."),
         EnvVar("PAGEDLLM_INT8_ACTIVATIONS", None,
-               "float (default) or int8: where GGUF layers run on the AVX512-VNNI kernel (--dtype auto, at the "
-               "batch sizes it measured fastest), it rounds each 32 activations to 14-bit integers (float) or to "
+               "float (default) or int8: where GGUF layers run on the VNNI kernel (AVX512-VNNI or its AVX2 form; "
+               "--dtype auto, at the batch sizes it measured fastest), it rounds each 32 activations to 14-bit integers (float) or to "
                "int8 as llama.cpp does (int8: up to 1.9x faster products, logprobs further from float32)."),
         EnvVar("PAGEDLLM_FUSED_MOE_CHUNK_SIZE", "VLLM_FUSED_MOE_CHUNK_SIZE",
                "Tokens per chunk of a mixture-of-experts layer's grouped GEMMs (default 32768, as vLLM): "
@@ -177,6 +182,7 @@ VALUE_CHECKS = {
     else "expected auto, highest or medium",
     "PAGEDLLM_CPU_OMP_THREADS_BIND": _cpu_list,
     "PAGEDLLM_INT8_ACTIVATIONS": _one_of("float", "int8"),
+    "PAGEDLLM_CPU_MAX_ISA": _one_of("native", "avx512_bf16", "avx2"),
 }
 
 

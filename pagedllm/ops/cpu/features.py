@@ -11,12 +11,28 @@ import functools
 import platform
 from dataclasses import dataclass
 
+from pagedllm.core import envs
+
 # (cpuinfo flag, the name people know it by), in the order the summary lists them
 NAMED_FLAGS = (
     ("avx2", "AVX2"), ("fma", "FMA"), ("avx512f", "AVX512F"), ("avx512_bf16", "AVX512-BF16"),
     ("avx512_vnni", "AVX512-VNNI"), ("avx_vnni", "AVX-VNNI"), ("avx512_fp16", "AVX512-FP16"),
     ("amx_bf16", "AMX-BF16"), ("amx_int8", "AMX-INT8"),
 )
+
+
+# PAGEDLLM_CPU_MAX_ISA's levels, highest first, and the cpuinfo flags (by prefix) each reads
+# as absent: "avx512_bf16" a Zen 4 without AMX, "avx2" a Zen 3 without AVX-512 of any kind
+ISA_LEVELS = {"native": (), "avx512_bf16": ("amx",), "avx2": ("avx512", "amx", "avx_vnni")}
+
+
+def max_isa() -> str:
+    """PAGEDLLM_CPU_MAX_ISA: how much of this CPU's instruction set pagedllm's kernels and
+    kernel choices use ("native", the default: all of it)."""
+    level = (envs.get("PAGEDLLM_CPU_MAX_ISA") or "native").strip().lower()
+    if level not in ISA_LEVELS:
+        raise ValueError(f"PAGEDLLM_CPU_MAX_ISA must be one of {', '.join(ISA_LEVELS)}, got {level!r}")
+    return level
 
 
 @dataclass(frozen=True)
@@ -69,9 +85,20 @@ def parse_cpuinfo(text: str) -> CpuFeatures:
 
 @functools.lru_cache(maxsize=1)
 def detect() -> CpuFeatures:
-    """This machine's CPU (an empty flag set where /proc/cpuinfo cannot be read)."""
+    """This machine's CPU (an empty flag set where /proc/cpuinfo cannot be read), without the
+    flags above PAGEDLLM_CPU_MAX_ISA (the model name then says so)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            return parse_cpuinfo(f.read())
+            cpu = parse_cpuinfo(f.read())
     except OSError:
-        return CpuFeatures(platform.processor() or "unknown CPU", frozenset())
+        cpu = CpuFeatures(platform.processor() or "unknown CPU", frozenset())
+    return limited(cpu, max_isa())
+
+
+def limited(cpu: CpuFeatures, level: str) -> CpuFeatures:
+    """`cpu` as PAGEDLLM_CPU_MAX_ISA=`level` lets pagedllm see it."""
+    dropped = ISA_LEVELS[level]
+    if not dropped:
+        return cpu
+    return CpuFeatures(f"{cpu.model} (PAGEDLLM_CPU_MAX_ISA={level})",
+                       frozenset(flag for flag in cpu.flags if not flag.startswith(dropped)))

@@ -45,6 +45,14 @@ HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
 ABI_VERSION = 16  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-fno-math-errno"]  # compiling each source
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
+# what each PAGEDLLM_CPU_MAX_ISA level adds to FLAGS (features.ISA_LEVELS names the same limits)
+ISA_FLAGS = {"native": [], "avx512_bf16": ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+             "avx2": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-mno-avxvnni"]}
+
+
+def compile_flags() -> list[str]:
+    """FLAGS for this process's PAGEDLLM_CPU_MAX_ISA."""
+    return FLAGS + (ISA_FLAGS[features.max_isa()] if any(f.startswith("-march") for f in FLAGS) else [])
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
 PD_OK, PD_EINVAL, PD_ENOMEM, PD_ERANGE = 0, -1, -2, -3
@@ -119,7 +127,7 @@ def _library_path(compiler: str) -> Path:
         data = path.read_bytes()
         key.update(f"{path.name}:{len(data)}:".encode())
         key.update(data)
-    for part in (" ".join(FLAGS + LINK_FLAGS).encode(), compiler.encode(), _cpu_fingerprint().encode()):
+    for part in (" ".join(compile_flags() + LINK_FLAGS).encode(), compiler.encode(), _cpu_fingerprint().encode()):
         key.update(part)
     return cache_dir() / "native" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
 
@@ -178,7 +186,7 @@ def _build(compiler: str, target: Path) -> None:
                 source = Path(work) / f"unit{i}.c"
                 source.write_text("".join(f'#include "{src}"\n' for src in unit))
             objects.append(Path(work) / f"unit{i}.o")
-            jobs.append([compiler, *FLAGS, "-c", str(source), "-o", str(objects[-1])])
+            jobs.append([compiler, *compile_flags(), "-c", str(source), "-o", str(objects[-1])])
         with ThreadPoolExecutor(max_workers=min(len(jobs), workers)) as pool:
             list(pool.map(_run_compiler, jobs))  # re-raises the first failure
         library = Path(work) / target.name

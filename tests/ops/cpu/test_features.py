@@ -42,3 +42,25 @@ def test_unreadable_or_empty_cpuinfo_gives_no_flags():
 def test_this_machine_is_detected_once():
     assert features.detect() is features.detect()
     assert features.detect().model
+
+
+def test_max_isa_levels_read_the_cpu_as_a_lesser_one():
+    """PAGEDLLM_CPU_MAX_ISA=avx512_bf16 reads an AMX Xeon as a Zen 4 (no AMX); avx2 as a Zen 3
+    (no AVX-512, AMX or AVX-VNNI); the model name says it is limited."""
+    xeon = features.parse_cpuinfo(XEON_AMX)
+    zen4 = features.limited(xeon, "avx512_bf16")
+    assert zen4.native_bf16 and zen4.has("avx512_vnni") and not zen4.has("amx_bf16") and not zen4.has("amx_tile")
+    assert "PAGEDLLM_CPU_MAX_ISA=avx512_bf16" in zen4.model
+    zen3 = features.limited(xeon, "avx2")
+    assert zen3.named() == ["AVX2", "FMA"] and not zen3.native_bf16 and not zen3.int8_dot
+    assert features.limited(xeon, "native") is xeon
+
+
+def test_max_isa_setting_is_checked(monkeypatch):
+    import pytest
+
+    monkeypatch.setenv("PAGEDLLM_CPU_MAX_ISA", "AVX2")
+    assert features.max_isa() == "avx2"
+    monkeypatch.setenv("PAGEDLLM_CPU_MAX_ISA", "sse4")
+    with pytest.raises(ValueError, match="PAGEDLLM_CPU_MAX_ISA must be one of native, avx512_bf16, avx2"):
+        features.max_isa()

@@ -291,3 +291,15 @@ def test_builds_without_vnni_say_so(portable_lib, monkeypatch):
     w = native.pack_vnni(raw, Q4_1, 32)
     with pytest.raises(RuntimeError, match="neither AVX512-VNNI nor AVX2"):
         native.vnni_linear(torch.randn(1, 32), w)
+
+
+def test_avx2_build_has_no_avx512_or_amx(avx2_build):
+    """PAGEDLLM_CPU_MAX_ISA=avx2 builds what a Zen 3 gets: the AVX2 paths, the VNNI kernel in its
+    AVX2 form, no AMX tiles, no 512-bit attention, and the CPU's flags read the same way."""
+    from pagedllm.ops.cpu import features
+
+    assert avx2_build.pd_has_avx2() and native.vnni_form() == "avx2"
+    assert not avx2_build.pd_has_amx() and not avx2_build.pd_has_bf16dot() and not avx2_build.pd_has_bf16_kv()
+    assert not native.attention_tiles(64, 3), "512-bit attention tiles in an AVX2-only build"
+    cpu = features.detect()
+    assert not cpu.native_bf16 and not any(f.startswith(("avx512", "amx")) for f in cpu.flags)

@@ -201,7 +201,7 @@ def test_smollm2_int8_activations_stay_within_their_stated_tolerance(hf_smollm2,
 
 # The VNNI kernel's AVX2 form (CPUs without AVX512-VNNI, such as Zen 3) forced into every
 # SmolLM2 layer and the head on 14-bit activations, the rest of the AVX2-only build in float32:
-# measured on a Xeon (running the x86-64-v3 build) against transformers float32, logprobs of
+# measured on a Xeon (PAGEDLLM_CPU_MAX_ISA=avx2) against transformers float32, logprobs of
 # our own tokens within 0.011 and all 8 chats kept its greedy tokens.
 AVX2_FORM_LOGPROB_ATOL = 0.1
 AVX2_FORM_MIN_EQUAL_CHATS = 6
@@ -210,8 +210,8 @@ AVX2_FORM_MIN_EQUAL_CHATS = 6
 @pytest.mark.slow
 def test_smollm2_vnni_avx2_form_stays_close_to_transformers(hf_smollm2, chat_prompts, greedy_outputs,
                                                             monkeypatch, request) -> None:
-    """On an AVX2-only build (this machine's own, or the x86-64-v3 one with the CPU's flags
-    masked to it): what a Zen 3 runs."""
+    """On an AVX2-only build (this machine's own, or PAGEDLLM_CPU_MAX_ISA=avx2's): what a Zen 3
+    runs."""
     from pagedllm.ops.cpu import crossover
     from pagedllm.plugins.quant import gguf_vnni
 
