@@ -145,26 +145,24 @@ def _run_compiler(cmd: list[str]) -> None:
 
 
 def compile_units(sources: Sequence[Path], workers: int) -> list[list[Path]]:
-    """How `_build` splits the sources among `workers` compiler processes: the largest
-    source in a unit of its own, the others spread over the remaining units by size (the
-    largest first, each onto the smallest unit so far), every source alone where there are
-    as many workers as sources.
+    """How `_build` splits the sources among `workers` compiler processes: the largest first,
+    each onto the unit with the fewest bytes so far (so the largest source starts a unit, and
+    every source is alone where there are as many workers as sources).
 
     Why units rather than one process per file: each compiler process parses the same
     headers (immintrin.h alone is ~0.15 s) and starts up again, and on a 2-core machine only
-    two run at once anyway. On a 2-core Zen 4, attention.c alone compiles in ~2.7 s and the
-    ten other files together in ~3.4 s as one unit (one by one, all eleven took ~7.5 s):
-    the build takes ~3.5 s where one process per file took ~4.5 s.
+    two run at once anyway. On a 2-core Zen 4, attention.c alone compiled in ~2.7 s and the
+    ten other files together in ~3.4 s as one unit (one by one, all eleven took ~7.5 s).
+    Why by bytes rather than the largest source alone: once vnni.c, amx.c and bf16dot.c had
+    grown, the unit beside attention.c was the slower one (4.3 s against 2.8 on a 2-vCPU Xeon
+    with AMX); balanced by bytes, the build takes ~3.7 s there.
     """
     ordered = sorted(sources, key=lambda src: (-src.stat().st_size, src.name))
-    if workers >= len(ordered) or len(ordered) <= 1:
-        return [[src] for src in ordered]
-    if workers <= 1:
-        return [ordered]
-    units: list[list[Path]] = [[ordered[0]]] + [[] for _ in range(workers - 1)]
-    sizes = [0] * workers
-    for src in ordered[1:]:
-        i = min(range(1, workers), key=lambda u: sizes[u])
+    count = max(1, min(workers, len(ordered)))
+    units: list[list[Path]] = [[] for _ in range(count)]
+    sizes = [0] * count
+    for src in ordered:
+        i = min(range(count), key=lambda u: (sizes[u], u))
         units[i].append(src)
         sizes[i] += src.stat().st_size
     return [unit for unit in units if unit]

@@ -102,9 +102,10 @@ def test_an_engine_builds_the_library_while_it_opens_the_model(tmp_path, monkeyp
         native.forget_kernels()
 
 
-def test_compile_units_cover_every_source_once_the_largest_alone():
-    """The build splits csrc/*.c into one unit per compiler process: the largest source
-    (the start-up's critical path) alone, the rest shared out; every source exactly once."""
+def test_compile_units_cover_every_source_once_balanced_by_size():
+    """The build splits csrc/*.c into one unit per compiler process: every source exactly
+    once, the largest source (the start-up's critical path) starting the first unit, each
+    further one onto the unit with the fewest bytes so far."""
     sources = native.SOURCES
     largest = max(sources, key=lambda src: src.stat().st_size)
     for workers in (1, 2, 3, 4, len(sources), len(sources) + 5):
@@ -112,5 +113,10 @@ def test_compile_units_cover_every_source_once_the_largest_alone():
         flat = [src for unit in units for src in unit]
         assert sorted(flat) == sorted(sources), f"{workers} workers: units {units} miss or repeat a source"
         assert len(units) == min(workers, len(sources)), f"{workers} workers: {len(units)} units"
-        if 1 < workers:
-            assert units[0] == [largest], f"{workers} workers: the largest source should compile alone first"
+        assert units[0][0] == largest, f"{workers} workers: the largest source should start the first unit"
+        sizes = [sum(src.stat().st_size for src in unit) for unit in units]
+        for unit, size in zip(units, sizes):
+            if len(unit) > 1:  # a unit's last source went to the then smallest unit
+                assert size - unit[-1].stat().st_size <= min(sizes), f"{workers} workers: unbalanced {sizes}"
+        if workers >= len(sources):
+            assert all(len(unit) == 1 for unit in units), f"{workers} workers: a source shares a unit"

@@ -576,9 +576,7 @@ static int paged_attention(const float *q, int64_t q_stride, const void *key_cac
                 else if (D == 128) PD_TILE_CALL(1, 128);
                 else PD_TILE_CALL(1, D);
             } else {
-                if (D == 64) PD_TILE_CALL(0, 64);
-                else if (D == 128) PD_TILE_CALL(0, 128);
-                else PD_TILE_CALL(0, D);
+                PD_TILE_CALL(0, D);
             }
 #undef PD_TILE_CALL
         }
