@@ -7,10 +7,10 @@ and costs nearly as much per extra row as for the first; VNNI's u8 x s8 dot prod
 block integers in [-8191, 8191] make one row 3-4x cheaper on a Zen 4 and each more row cheaper
 still (SmolLM2's 3072 x 576 Q4_1 layer, 2 threads, weights from memory: ~100 us at 1 row
 against ~145, ~190 at 8 rows against ~385). The activations are rounded, so this serves
-only where bf16 products are allowed ("medium" float32 matmul precision), and only where
-the crossover measured it faster at load, like every other kernel choice. The AVX2 form
-reads the same panels with the same numerics (2.1-2.5x the native kernel's speed on
-SmolLM2's Q4_1 layers at 1-16 rows on a 2-vCPU Xeon, running AVX2 code).
+only under "medium" float32 matmul precision (where bf16 products are allowed too), and
+only where the crossover measured it faster at load, like every other kernel choice. The
+AVX2 form reads the same panels with the same numerics (2.0-2.2x the native kernel's speed
+on SmolLM2's Q4_1 layers at 1-64 rows on a 2-vCPU Xeon under PAGEDLLM_CPU_MAX_ISA=avx2).
 """
 
 from __future__ import annotations

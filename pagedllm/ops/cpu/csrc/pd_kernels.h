@@ -10,7 +10,8 @@
  *   amx.c          bf16 linear on AMX tiles: pd_has_amx, pd_amx_pack, pd_amx_linear, pd_amx_linear_silu;
  *                  Q4_0 / Q4_1 / Q8_0 blocks dequantized into the tiles: pd_amx_qt_pack, pd_amx_qt_linear(_silu)
  *   bf16dot.c      the same tiles on AVX512-BF16 dot products: pd_has_bf16dot, pd_bf16dot_linear(_silu)
- *   vnni.c         ggml 4/8-bit weights x 14-bit (or, asked for, int8) integer activations on AVX512-VNNI:
+ *   vnni.c         ggml 4/8-bit weights x 14-bit (or, asked for, int8) integer activations on AVX512-VNNI
+ *                  (or, without it, AVX2's u8 x s8 pair products):
  *                  pd_has_vnni, pd_vnni_packed_size, pd_vnni_pack, pd_vnni_linear
  *   lut4.c         4-bit codebook weights (bitsandbytes NF4 / FP4): pd_linear_lut4
  *   moe.c          a MoE layer's routed float32 experts in one call: pd_moe_f32

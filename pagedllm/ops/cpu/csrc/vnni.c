@@ -1,6 +1,7 @@
 /* ggml 4- and 8-bit weights (Q4_0, Q4_1, Q8_0) times integer activations on AVX512-VNNI
  * (VPDPBUSD: 64 u8 x s8 products into 16 int32 sums per instruction), for the few-row
- * calls of decode and speculative verify steps on Zen 4 / Ice Lake and later Xeons.
+ * calls of decode and speculative verify steps on Zen 4 / Ice Lake and later Xeons; and
+ * the same in an AVX2 form for CPUs without AVX512-VNNI (Zen 3), last paragraph.
  *
  * Why: quant.c's AVX2 kernel keeps float32 accuracy by splitting every activation into two
  * int16 terms and sums each output's products horizontally; on a 2-core Zen 4 it ran
@@ -38,7 +39,20 @@
  * the columns' sc and m as bytes: 4.625 bits per weight, exact (d * sc and dmin * m are exact
  * in float32). Q6_K as stored was tried the same way (6.625 bits against Q8_0's 8.5): on a
  * 2-core Zen 4 its unpacking made it compute-bound, slower than Q8_0 streamed (523 against
- * 455 us for a 1536 x 8704 layer), and it added ~1 s to the build; not kept. */
+ * 455 us for a 1536 x 8704 layer), and it added ~1 s to the build; not kept.
+ *
+ * The AVX2 form (vn2_*) reads the same panels, 8 columns (a 32-byte half of each code
+ * vector) at a time, and computes the same integers with VPMADDUBSW (u8 x s8 products,
+ * adjacent pairs summed in int16 with saturation) and VPMADDWD: 4-bit codes (0..15) times
+ * xh (-64..63) or xl (0..127) keep a block's eight pair sums within int16 (15 * 127 * 2 * 8 =
+ * 30480), widened once per block; Q8_0's codes c = q + 128 times xh reach 255 * 64 * 2 =
+ * 32640, and its xl term takes the codes as signed q (xl * q: 127 * 128 * 2 = 32512), each
+ * widened at once, so its dot is sum(q * X) + 16384 * sum(xh), the offset taken off like
+ * the others'. With int8 activations, Q4 types take X itself in one term; Q8_0 keeps the two
+ * (xh is then -1 or 0), the same integers without the speed-up. Results equal the AVX512
+ * form's bitwise on Q4_0 / Q8_0 (Q4_1 / Q4_K: a block's float sum of x in another order).
+ * It is compiled only where AVX512-VNNI is not (PAGEDLLM_CPU_MAX_ISA=avx2 builds it on any
+ * AVX2 CPU, as the tests do). */
 #include "pd_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
@@ -48,7 +62,7 @@
 #endif
 
 /* The AVX2 form, only where there is no AVX512-VNNI (it would never win there, and its
- * build would lengthen the first start-up); tests build an AVX2-only library to run it. */
+ * build would lengthen the first start-up). */
 #if PD_AVX2 && !PD_VNNI
 #define PD_VNNI2 1
 #else
@@ -322,8 +336,8 @@ static inline void vn2_store_i8(int8_t *dst, __m256i a, __m256i b, __m256i c, __
 
 /* vn_quantize_row for the AVX2 form: the same s and xsum; split rows as xh = X >> 7 and
  * xl = X & 127 (also int8 ones against Q8_0, X in [-127, 127]: xh is then -1 or 0), else
- * X itself in xh; xoff is what the kernel's int32 dot holds beyond sum(q * X): Q4_0's
- * 8 * sum(X), Q8_0's 16384 * sum(xh) (see the header: its high term multiplies q + 128). */
+ * X itself in xh; xoff is what the kernel's int32 dot holds beyond sum(value codes * X):
+ * Q4_0's 8 * sum(X), Q8_0's 16384 * sum(xh) (the header's last paragraph). */
 static void vn2_quantize_row(int x8, int split, int qtype, const float *x, int64_t K, int8_t *xh, int8_t *xl,
                              float *s, float *xsum, int32_t *xoff) {
     const float top = x8 ? 127.0f : 8191.0f;
