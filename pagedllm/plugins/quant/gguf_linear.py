@@ -299,16 +299,27 @@ def _quant_tiles_range(layer: nn.Module, types: str, shape: str, blocks: Sequenc
     return True
 
 
+# Row counts the small-batch kernel is timed at against the dense copy: the usual 1-64, then
+# 128 and 256, since a dense copy that first wins past 64 rows still serves prefills. With
+# 1-64 alone, the VNNI kernel's AVX2 form (PAGEDLLM_CPU_MAX_ISA=avx2 on a 2-vCPU Xeon, weights
+# streamed) won SmolLM2's qkv and down_proj at 64 rows, so their dense copies were dropped,
+# while at 1,024 rows the float32 GEMM took 0.64-0.73x its time. (The head keeps 1-64: it
+# multiplies a step's last rows only, one per sequence, unless prompt logprobs are asked for.)
+SMALL_DENSE_CANDIDATES = crossover.CANDIDATES + (256,)
+
+
 def _measure_ranges(layer: nn.Module, types: str, shape: str, blocks: Sequence[tuple[int, torch.Tensor]] | None,
-                    k: int, small: crossover.Contender, small_name: str, dense, weight: torch.Tensor) -> None:
+                    k: int, small: crossover.Contender, small_name: str, dense, weight: torch.Tensor,
+                    candidates: tuple[int, ...] = SMALL_DENSE_CANDIDATES) -> None:
     """Which batches the blocks serve and which the dense copy `dense` (`ops.pack_linear(weight)`)
     serves: the quantized tiles' range where they win one, else the small-batch kernel's crossover
-    with the dense copy (`layer.gguf_native_below`). For linear layers and the head alike."""
+    with the dense copy (`layer.gguf_native_below`, timed at `candidates` rows). For linear layers
+    and the head alike."""
     dense_side = _dense_contender(dense, weight)
     if not _quant_tiles_range(layer, types, shape, blocks, k, small, small_name, dense_side, dense.kind):
         layer.gguf_native_below = crossover.rows_from(
             f"gguf-{types}|{'' if small_name == 'native' else small_name + '|'}{dense.kind}|{shape}", small,
-            dense_side, k)
+            dense_side, k, candidates=candidates)
 
 
 class GGUFLinearMethod(LinearMethod):
@@ -539,7 +550,8 @@ class GGUFEmbeddingMethod(EmbeddingMethod):
                 small, name = _small_rows_kernel(types, shape, blocks, hidden, native_side, [(qtype, raw)])
                 if name != "native":
                     _keep_small_kernel(layer, small.kernel, name)
-                _measure_ranges(layer, types, shape, blocks, hidden, small, name, layer.gguf_head, layer.weight)
+                _measure_ranges(layer, types, shape, blocks, hidden, small, name, layer.gguf_head, layer.weight,
+                                crossover.CANDIDATES)
         else:
             del layer.weight
             layer.gguf_has_dense = False

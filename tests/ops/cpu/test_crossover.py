@@ -137,6 +137,25 @@ def test_a_pass_times_one_segment_of_each_ring_in_turn(monkeypatch):
     assert len(calls) == 2 * 2 * (1 + crossover.PASSES)
 
 
+def test_past_64_rows_a_pass_takes_a_shorter_segment_of_each_ring(monkeypatch):
+    """A 256-row call is arithmetic more than reads: its passes take a quarter of the usual
+    segment on both sides (the same fraction of each ring, so the walks still alternate over
+    whole rings), not four times the work per pass."""
+    monkeypatch.setattr(crossover, "ring_bytes", lambda: 32_000)
+    monkeypatch.setattr(crossover, "SEGMENTS", 4)
+    monkeypatch.setattr(crossover, "DECISIVE", float("inf"))
+    calls = []
+    crossover.measure(counted_copies(calls, 1_000, "small:"), counted_copies(calls, 2_000, "large:"), k=4,
+                      candidates=(64, 256), budget_s=0)
+    rounds = 1 + crossover.PASSES  # a warm-up and the timed passes of each side
+    at_64, at_256 = calls[:rounds * (8 + 4)], calls[rounds * (8 + 4):]
+    assert at_64[:12] == [f"small:{n}" for n in ["serving"] + [f"copy{i}" for i in range(1, 8)]] + \
+        ["large:serving", "large:copy1", "large:copy2", "large:copy3"], at_64[:12]
+    # rings of 32 and 16 copies: 8 and 4 calls a pass at 64 rows, 2 and 1 at 256
+    assert len(at_256) == rounds * (2 + 1), len(at_256)
+    assert at_256[:3] == ["small:copy8", "small:copy9", "large:copy4"], at_256[:3]
+
+
 def test_a_weight_past_the_ring_size_is_timed_alone_and_copies_are_capped(monkeypatch):
     monkeypatch.setattr(crossover, "ring_bytes", lambda: 10_000)
     big, tiny = [], []
