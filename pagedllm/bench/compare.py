@@ -373,12 +373,16 @@ def run_compare(args: argparse.Namespace) -> dict[str, Any]:
           f"(random ids, seed {seed}, greedy, EOS ignored); single stream: first "
           f"{args.single_stream_prompts} prompts one at a time; best of {args.repeat}; {os.cpu_count()} CPUs"
           f"{'' if cpu_has_native_bf16() else ' without native bf16 (bf16 rows are emulated)'}.")
-    print(f"CPU: {features.detect().summary()}")
+    print(f"CPU: {features.machine().summary()}")
+    if features.max_isa() != "native":
+        print(f"PAGEDLLM_CPU_MAX_ISA={features.max_isa()} limits pagedllm's own kernels only; the peers use the "
+              "whole CPU (torch's oneDNN follows ONEDNN_MAX_CPU_ISA).")
     print(table(results))
     out = {"workload": {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
                         "single_stream_prompts": args.single_stream_prompts, "seed": seed,
                         "repeat": args.repeat,
-                        "cpu_count": os.cpu_count(), "cpu": features.detect().to_dict()},
+                        "cpu_count": os.cpu_count(), "cpu": features.machine().to_dict(),
+                        "pagedllm_max_isa": features.max_isa()},
            "engines": [{"name": r.name, "status": r.status, "offline": r.offline, "serve_status": r.serve_status,
                         "serve": {k: v for k, v in r.serve.items() if k not in ("ttfts", "itls", "output_lens")},
                         "machine_probe": r.probe, "log": r.log} for r in results]}

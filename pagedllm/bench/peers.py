@@ -61,7 +61,7 @@ def peer_python(peers_dir: Path, venv: str, module: str) -> str | None:
 def cpu_has_native_bf16() -> bool:
     """Whether this CPU computes bf16 in hardware (AVX512-BF16 or AMX); without it bf16
     matmuls are emulated and run several times slower than fp32."""
-    return features.detect().native_bf16
+    return features.machine().native_bf16
 
 
 def resolve_vllm_dtype(choice: str) -> str:

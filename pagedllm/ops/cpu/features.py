@@ -84,15 +84,21 @@ def parse_cpuinfo(text: str) -> CpuFeatures:
 
 
 @functools.lru_cache(maxsize=1)
-def detect() -> CpuFeatures:
-    """This machine's CPU (an empty flag set where /proc/cpuinfo cannot be read), without the
-    flags above PAGEDLLM_CPU_MAX_ISA (the model name then says so)."""
+def machine() -> CpuFeatures:
+    """This machine's CPU as /proc/cpuinfo says (an empty flag set where it cannot be read),
+    whatever PAGEDLLM_CPU_MAX_ISA says."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            cpu = parse_cpuinfo(f.read())
+            return parse_cpuinfo(f.read())
     except OSError:
-        cpu = CpuFeatures(platform.processor() or "unknown CPU", frozenset())
-    return limited(cpu, max_isa())
+        return CpuFeatures(platform.processor() or "unknown CPU", frozenset())
+
+
+@functools.lru_cache(maxsize=1)
+def detect() -> CpuFeatures:
+    """This machine's CPU as pagedllm's kernels and choices see it: without the flags above
+    PAGEDLLM_CPU_MAX_ISA (the model name then says so)."""
+    return limited(machine(), max_isa())
 
 
 def limited(cpu: CpuFeatures, level: str) -> CpuFeatures:

@@ -64,3 +64,18 @@ def test_max_isa_setting_is_checked(monkeypatch):
     monkeypatch.setenv("PAGEDLLM_CPU_MAX_ISA", "sse4")
     with pytest.raises(ValueError, match="PAGEDLLM_CPU_MAX_ISA must be one of native, avx512_bf16, avx2"):
         features.max_isa()
+
+
+def test_max_isa_limits_what_pagedllm_sees_not_the_machine(monkeypatch):
+    """detect() (what kernels and choices read) drops the flags above the level; machine() (what
+    `bench compare` reports, and what its peers run on) keeps them."""
+    monkeypatch.setenv("PAGEDLLM_CPU_MAX_ISA", "avx2")
+    features.detect.cache_clear()
+    try:
+        seen, real = features.detect(), features.machine()
+        assert not any(f.startswith(("avx512", "amx")) for f in seen.flags)
+        assert seen.flags <= real.flags and "PAGEDLLM_CPU_MAX_ISA=avx2" in seen.model
+        assert "PAGEDLLM_CPU_MAX_ISA" not in real.model
+    finally:
+        monkeypatch.delenv("PAGEDLLM_CPU_MAX_ISA")
+        features.detect.cache_clear()
