@@ -61,8 +61,9 @@ ENV_VARS: dict[str, EnvVar] = {
                "does on GPUs without fp8; fp8: quantize them everywhere (a GPU's W8A8 numerics); float: never."),
         EnvVar("PAGEDLLM_INT8_ACTIVATIONS", None,
                "float (default) or int8: where GGUF layers run on the VNNI kernel (AVX512-VNNI or its AVX2 form; "
-               "--dtype auto, at the batch sizes it measured fastest), it rounds each 32 activations to 14-bit integers (float) or to "
-               "int8 as llama.cpp does (int8: up to 1.9x faster products, logprobs further from float32)."),
+               "--dtype auto, at the batch sizes it measured fastest), it rounds each 32 activations to 14-bit "
+               "integers (float) or to int8 as llama.cpp does (int8: up to 1.9x faster products, logprobs further "
+               "from float32)."),
         EnvVar("PAGEDLLM_FUSED_MOE_CHUNK_SIZE", "VLLM_FUSED_MOE_CHUNK_SIZE",
                "Tokens per chunk of a mixture-of-experts layer's grouped GEMMs (default 32768, as vLLM): "
                "bounds the intermediate buffers of long prefills."),

@@ -404,8 +404,10 @@ static inline __attribute__((always_inline)) void vn2_block(int qtype, int split
                 for (int i = 0; i < mr; i++) {
                     const int8_t *xh = (const int8_t *)(xq + (m0 + i) * rb), *xl = xh + K;
                     int64_t k0 = 32 * blk + 4 * l;
-                    ih[i] = _mm256_add_epi32(ih[i], _mm256_madd_epi16(_mm256_maddubs_epi16(c, vn2_bcast(xh + k0)), ones));
-                    il[i] = _mm256_add_epi32(il[i], _mm256_madd_epi16(_mm256_maddubs_epi16(vn2_bcast(xl + k0), q), ones));
+                    __m256i hi = _mm256_maddubs_epi16(c, vn2_bcast(xh + k0));
+                    __m256i lo = _mm256_maddubs_epi16(vn2_bcast(xl + k0), q);
+                    ih[i] = _mm256_add_epi32(ih[i], _mm256_madd_epi16(hi, ones));
+                    il[i] = _mm256_add_epi32(il[i], _mm256_madd_epi16(lo, ones));
                 }
             }
             for (int i = 0; i < mr; i++) ih[i] = _mm256_add_epi32(_mm256_slli_epi32(ih[i], 7), il[i]);
