@@ -40,29 +40,42 @@ def report(line: str) -> None:
     else:
         print(line)
 
-@pytest.fixture
-def avx2_build():
-    """The engine as PAGEDLLM_CPU_MAX_ISA=avx2 runs it: the native kernels built without
-    AVX-512 or AMX (what a Zen 3 runs) and the CPU's flags read without them, so an AVX-512
-    machine's tests also take the AVX2 paths. Yields the AVX2 library."""
+def _limited_build(level: str, needs: set[str]):
+    """The engine as PAGEDLLM_CPU_MAX_ISA=`level` runs it (the native kernels built for that
+    level, the CPU's flags read without the rest): yields its library; skipped where this
+    CPU lacks a flag in `needs`."""
     from pagedllm.ops.cpu import features, native
 
     if TEST_DEVICE != "cpu" or not native.switched_on():
         pytest.skip("the native CPU kernels are off")
-    if not {"avx2", "fma", "f16c"} <= features.detect().flags:
-        pytest.skip("this CPU has no AVX2 / FMA / F16C")
+    if not needs <= features.machine().flags:
+        pytest.skip(f"this CPU has none of {', '.join(sorted(needs - features.machine().flags))}")
     limit = pytest.MonkeyPatch()
-    limit.setenv("PAGEDLLM_CPU_MAX_ISA", "avx2")
+    limit.setenv("PAGEDLLM_CPU_MAX_ISA", level)
     features.detect.cache_clear()
     native.forget_kernels()
     try:
         lib = native.kernels()
-        assert lib is not None, "the AVX2 build of the native kernels failed"
+        assert lib is not None, f"the {level} build of the native kernels failed"
         yield lib
     finally:
         limit.undo()
         features.detect.cache_clear()
         native.forget_kernels()
+
+
+@pytest.fixture
+def avx2_build():
+    """The AVX2-only build (PAGEDLLM_CPU_MAX_ISA=avx2: no AVX-512, AMX or AVX-VNNI), what a Zen 3
+    runs, so an AVX-512 machine's tests also take the AVX2 paths."""
+    yield from _limited_build("avx2", {"avx2", "fma", "f16c"})
+
+
+@pytest.fixture
+def avx_vnni_build():
+    """The AVX2 + AVX-VNNI build (PAGEDLLM_CPU_MAX_ISA=avx2_vnni), what an Alder Lake or Sierra
+    Forest core runs."""
+    yield from _limited_build("avx2_vnni", {"avx2", "fma", "f16c", "avx_vnni"})
 
 
 CORPUS = [

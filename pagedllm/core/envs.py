@@ -45,10 +45,11 @@ ENV_VARS: dict[str, EnvVar] = {
                "1 (default) builds and uses the native CPU kernels when a C compiler is found (packed dense "
                "float32 weights, step replay); 0 keeps plain torch ops."),
         EnvVar("PAGEDLLM_CPU_MAX_ISA", None,
-               "native (default), avx512_bf16 or avx2: the most of this CPU's instruction set pagedllm's CPU "
-               "kernels and kernel choices use (avx512_bf16: no AMX, as on a Zen 4; avx2: no AVX-512 or AMX, as "
-               "on a Zen 3); the kernels are built for it and the CPU's flags read without the rest. To compare "
-               "paths on one machine or step around one. torch's own oneDNN follows ONEDNN_MAX_CPU_ISA."),
+               "native (default), avx512_bf16, avx2_vnni or avx2: the most of this CPU's instruction set "
+               "pagedllm's CPU kernels and kernel choices use (avx512_bf16: no AMX, as on a Zen 4; avx2_vnni: no "
+               "AVX-512 or AMX, as on an Alder Lake; avx2: nor AVX-VNNI, as on a Zen 3); the kernels are built for "
+               "it and the CPU's flags read without the rest. To compare paths on one machine or step around one. "
+               "torch's own oneDNN follows ONEDNN_MAX_CPU_ISA."),
         EnvVar("PAGEDLLM_CACHE_DIR", None,
                "Where built native kernels and measured kernel crossovers are cached (default ~/.cache/pagedllm)."),
         EnvVar("PAGEDLLM_FLOAT32_MATMUL_PRECISION", None,
@@ -183,7 +184,7 @@ VALUE_CHECKS = {
     else "expected auto, highest or medium",
     "PAGEDLLM_CPU_OMP_THREADS_BIND": _cpu_list,
     "PAGEDLLM_INT8_ACTIVATIONS": _one_of("float", "int8"),
-    "PAGEDLLM_CPU_MAX_ISA": _one_of("native", "avx512_bf16", "avx2"),
+    "PAGEDLLM_CPU_MAX_ISA": _one_of("native", "avx512_bf16", "avx2_vnni", "avx2"),
 }
 
 

@@ -22,8 +22,10 @@ NAMED_FLAGS = (
 
 
 # PAGEDLLM_CPU_MAX_ISA's levels, highest first, and the cpuinfo flags (by prefix) each reads
-# as absent: "avx512_bf16" a Zen 4 without AMX, "avx2" a Zen 3 without AVX-512 of any kind
-ISA_LEVELS = {"native": (), "avx512_bf16": ("amx",), "avx2": ("avx512", "amx", "avx_vnni")}
+# as absent: "avx512_bf16" a Zen 4 without AMX; "avx2_vnni" an Alder Lake or Sierra Forest
+# core (AVX2 and AVX-VNNI, no AVX-512); "avx2" a Zen 3
+ISA_LEVELS = {"native": (), "avx512_bf16": ("amx",), "avx2_vnni": ("avx512", "amx"),
+              "avx2": ("avx512", "amx", "avx_vnni")}
 
 
 def max_isa() -> str:

@@ -47,6 +47,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-fno-math-err
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 # what each PAGEDLLM_CPU_MAX_ISA level adds to FLAGS (features.ISA_LEVELS names the same limits)
 ISA_FLAGS = {"native": [], "avx512_bf16": ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
+             "avx2_vnni": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"],
              "avx2": ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16", "-mno-avxvnni"]}
 
 
@@ -788,14 +789,15 @@ class VnniWeight:
 
 
 # pd_has_vnni's forms and pd_vnni_linear's flags (csrc/vnni.c)
-_VNNI_FORMS = {1: "avx512", 2: "avx2"}
+_VNNI_FORMS = {1: "avx512", 2: "avx2", 3: "avx-vnni"}
 _VNNI_INT8 = 1
 
 
 def vnni_form() -> str | None:
     """The form of csrc/vnni.c's kernel this build has: "avx512" (AVX512-VNNI dot products),
     "avx2" (the same panels and numerics on AVX2's u8 x s8 pair products, for CPUs without
-    AVX512-VNNI such as Zen 3), or None."""
+    AVX512-VNNI such as Zen 3), "avx-vnni" (that form on the 256-bit AVX-VNNI dot products),
+    or None."""
     lib = kernels()
     return _VNNI_FORMS.get(lib.pd_has_vnni()) if lib is not None else None
 

@@ -42,16 +42,20 @@ def int8_activations() -> bool:
 
 
 def form() -> str:
-    """The kernel's form here: "avx512" where the CPU has AVX512-VNNI, else "avx2"."""
+    """The kernel's form here: "avx512" where the CPU has AVX512-VNNI, else "avx-vnni" or "avx2"."""
     return native.vnni_form() or "avx512"
+
+
+# the kind's suffix per form of the kernel
+_FORM_SUFFIX = {"avx512": "", "avx2": "-avx2", "avx-vnni": "-avxvnni"}
 
 
 def kind(int8: bool | None = None, form_: str | None = None) -> str:
     """The kernel's name in crossover keys and the log: "vnni", or "vnni8" rounding to int8
-    (`int8`; None: as `int8_activations()` says now), with "-avx2" for the AVX2 form
-    (`form_`; None: this CPU's `form()`)."""
+    (`int8`; None: as `int8_activations()` says now), with "-avx2" for the AVX2 form and
+    "-avxvnni" for it on AVX-VNNI (`form_`; None: this CPU's `form()`)."""
     name = "vnni8" if (int8_activations() if int8 is None else int8) else "vnni"
-    return name + ("-avx2" if (form_ or form()) == "avx2" else "")
+    return name + _FORM_SUFFIX[form_ or form()]
 
 
 class VnniLinear:

@@ -19,9 +19,10 @@ from tests._ggml_blocks import BLOCK_BYTES, random_blocks
 
 require_native()
 needs_vnni = pytest.mark.skipif(not native.vnni_available(), reason="this build has no form of the VNNI kernel")
-# every test below that multiplies runs in both forms: this machine's build, and the AVX2-only
-# build where this one has the AVX512 form
-FORMS = pytest.mark.parametrize("form", ["avx512", "avx2"])
+# every test below that multiplies runs in each form a build here has: this machine's own, the
+# AVX2-only build and, where the CPU has AVX-VNNI, the AVX2 + AVX-VNNI build
+FORMS = pytest.mark.parametrize("form", ["avx512", "avx2", "avx-vnni"])
+FORM_BUILDS = {"avx2": "avx2_build", "avx-vnni": "avx_vnni_build"}
 
 
 @pytest.fixture
@@ -30,9 +31,9 @@ def use_form(request):
     def use(form: str) -> None:
         if native.vnni_form() == form:
             return
-        if form == "avx2":
-            request.getfixturevalue("avx2_build")
-            if native.vnni_form() == "avx2":
+        if form in FORM_BUILDS:
+            request.getfixturevalue(FORM_BUILDS[form])
+            if native.vnni_form() == form:
                 return
         pytest.skip(f"no build here has the {form} form of the VNNI kernel")
     return use
@@ -243,10 +244,11 @@ def test_vnni_linear_extreme_codes_and_activations_do_not_saturate(name, form, u
 
 
 @pytest.mark.skipif(native.vnni_form() != "avx512", reason="needs the AVX512 form here to compare with")
+@pytest.mark.parametrize("form", ["avx2", "avx-vnni"])
 @pytest.mark.parametrize("int8", [False, True], ids=["14bit", "int8"])
 @pytest.mark.parametrize("name", ALL_QTYPES)
-def test_vnni_forms_agree(name, int8, request):
-    """The AVX2 form rounds the activations as the AVX512 one does and sums the same exact
+def test_vnni_forms_agree(name, int8, form, use_form):
+    """The AVX2 forms round the activations as the AVX512 one does and sum the same exact
     integer products per block: Q4_0's and Q8_0's results are bitwise equal; Q4_1 and Q4_K
     differ only by the float32 order of each block's sum of x (their offsets' factor)."""
     qtype = ALL_QTYPES[name]
@@ -255,8 +257,7 @@ def test_vnni_forms_agree(name, int8, request):
     x = torch.randn(11, 512, generator=gen)
     w = native.pack_vnni(raw, qtype, 512)
     wide = native.vnni_linear(x, w, int8=int8)
-    request.getfixturevalue("avx2_build")
-    assert native.vnni_form() == "avx2"
+    use_form(form)
     narrow = native.vnni_linear(x, w, int8=int8)
     if qtype in (Q4_0, Q8_0):
         assert torch.equal(wide, narrow), f"{name}: the forms' results differ"

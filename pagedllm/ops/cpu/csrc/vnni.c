@@ -52,7 +52,9 @@
  * (xh is then -1 or 0), the same integers without the speed-up. Results equal the AVX512
  * form's bitwise on Q4_0 / Q8_0 (Q4_1 / Q4_K: a block's float sum of x in another order).
  * It is compiled only where AVX512-VNNI is not (PAGEDLLM_CPU_MAX_ISA=avx2 builds it on any
- * AVX2 CPU, as the tests do). */
+ * AVX2 CPU, as the tests do). Where the CPU has AVX-VNNI (the VEX-encoded 256-bit VPDPBUSD of
+ * Intel cores since Alder Lake, and of Sierra Forest), that instruction takes each maddubs /
+ * madd pair: the same integers summed in int32 at once (PAGEDLLM_CPU_MAX_ISA=avx2_vnni). */
 #include "pd_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && defined(__AVX512DQ__)
@@ -69,9 +71,17 @@
 #define PD_VNNI2 0
 #endif
 
+/* ... with AVX-VNNI (VEX VPDPBUSD on 256 bits: Alder Lake and later Intel cores, Sierra Forest),
+ * its u8 x s8 products go straight into int32 sums, as in the AVX512 form */
+#if PD_VNNI2 && defined(__AVXVNNI__)
+#define PD_VNNI2_DOT 1
+#else
+#define PD_VNNI2_DOT 0
+#endif
+
 /* pd_vnni_linear's flags and pd_has_vnni's forms */
 enum { PD_VNNI_INT8 = 1 };
-enum { PD_VNNI_FORM_512 = 1, PD_VNNI_FORM_AVX2 = 2 };
+enum { PD_VNNI_FORM_512 = 1, PD_VNNI_FORM_AVX2 = 2, PD_VNNI_FORM_AVX_VNNI = 3 };
 
 #define VN2_MR 4  /* activation rows per register block of the AVX2 form (16 ymm registers) */
 #define VN_MR 8   /* activation rows per register block (two int8 terms per activation) */
@@ -100,8 +110,11 @@ static int64_t vn_panel_bytes(int qtype, int64_t K) {
 /* Whether a block's values carry an offset m times the block's sum of x (Q4_1, Q4_K). */
 static inline int vn_has_min(int qtype) { return qtype == PD_Q4_1 || qtype == PD_Q4_K; }
 
-/* Which form this build has: PD_VNNI_FORM_512 (AVX512-VNNI), PD_VNNI_FORM_AVX2, or 0 (neither). */
-int pd_has_vnni(void) { return PD_VNNI ? PD_VNNI_FORM_512 : PD_VNNI2 ? PD_VNNI_FORM_AVX2 : 0; }
+/* Which form this build has: PD_VNNI_FORM_512 (AVX512-VNNI), PD_VNNI_FORM_AVX2 (or, with AVX-VNNI,
+ * PD_VNNI_FORM_AVX_VNNI), or 0 (neither). */
+int pd_has_vnni(void) {
+    return PD_VNNI ? PD_VNNI_FORM_512 : PD_VNNI2_DOT ? PD_VNNI_FORM_AVX_VNNI : PD_VNNI2 ? PD_VNNI_FORM_AVX2 : 0;
+}
 
 /* Size in bytes of pd_vnni_pack's output; 0 for a type or K it does not take. */
 int64_t pd_vnni_packed_size(int qtype, int64_t N, int64_t K) {
@@ -404,10 +417,15 @@ static inline __attribute__((always_inline)) void vn2_block(int qtype, int split
                 for (int i = 0; i < mr; i++) {
                     const int8_t *xh = (const int8_t *)(xq + (m0 + i) * rb), *xl = xh + K;
                     int64_t k0 = 32 * blk + 4 * l;
+#if PD_VNNI2_DOT
+                    ih[i] = _mm256_dpbusd_avx_epi32(ih[i], c, vn2_bcast(xh + k0));
+                    il[i] = _mm256_dpbusd_avx_epi32(il[i], vn2_bcast(xl + k0), q);
+#else
                     __m256i hi = _mm256_maddubs_epi16(c, vn2_bcast(xh + k0));
                     __m256i lo = _mm256_maddubs_epi16(vn2_bcast(xl + k0), q);
                     ih[i] = _mm256_add_epi32(ih[i], _mm256_madd_epi16(hi, ones));
                     il[i] = _mm256_add_epi32(il[i], _mm256_madd_epi16(lo, ones));
+#endif
                 }
             }
             for (int i = 0; i < mr; i++) ih[i] = _mm256_add_epi32(_mm256_slli_epi32(ih[i], 7), il[i]);
@@ -420,17 +438,30 @@ static inline __attribute__((always_inline)) void vn2_block(int qtype, int split
                 for (int i = 0; i < mr; i++) {
                     const int8_t *xh = (const int8_t *)(xq + (m0 + i) * rb), *xl = xh + K;
                     int64_t k0 = 32 * blk + 4 * l;
+#if PD_VNNI2_DOT
+                    ih[i] = _mm256_dpbusd_avx_epi32(ih[i], w0, vn2_bcast(xh + k0));
+                    ih[i] = _mm256_dpbusd_avx_epi32(ih[i], w1, vn2_bcast(xh + k0 + 16));
+                    if (split) {
+                        il[i] = _mm256_dpbusd_avx_epi32(il[i], w0, vn2_bcast(xl + k0));
+                        il[i] = _mm256_dpbusd_avx_epi32(il[i], w1, vn2_bcast(xl + k0 + 16));
+                    }
+#else
                     ih[i] = _mm256_add_epi16(ih[i], _mm256_maddubs_epi16(w0, vn2_bcast(xh + k0)));
                     ih[i] = _mm256_add_epi16(ih[i], _mm256_maddubs_epi16(w1, vn2_bcast(xh + k0 + 16)));
                     if (split) {
                         il[i] = _mm256_add_epi16(il[i], _mm256_maddubs_epi16(w0, vn2_bcast(xl + k0)));
                         il[i] = _mm256_add_epi16(il[i], _mm256_maddubs_epi16(w1, vn2_bcast(xl + k0 + 16)));
                     }
+#endif
                 }
             }
             for (int i = 0; i < mr; i++) {
+#if PD_VNNI2_DOT
+                if (split) ih[i] = _mm256_add_epi32(_mm256_slli_epi32(ih[i], 7), il[i]);
+#else
                 ih[i] = _mm256_madd_epi16(ih[i], split ? _mm256_set1_epi16(128) : ones);
                 if (split) ih[i] = _mm256_add_epi32(ih[i], _mm256_madd_epi16(il[i], ones));
+#endif
             }
         }
         __m256 d, mv = _mm256_setzero_ps();
