@@ -53,7 +53,7 @@ ISA_FLAGS = {"native": [], "avx512_bf16": ["-mno-amx-tile", "-mno-amx-int8", "-m
 
 def compile_flags() -> list[str]:
     """FLAGS for this process's PAGEDLLM_CPU_MAX_ISA."""
-    return FLAGS + (ISA_FLAGS[features.max_isa()] if any(f.startswith("-march") for f in FLAGS) else [])
+    return FLAGS + ISA_FLAGS[features.max_isa()]
 
 # what the kernels that return an int return (PD_* in csrc/pd_kernels.h)
 PD_OK, PD_EINVAL, PD_ENOMEM, PD_ERANGE = 0, -1, -2, -3

@@ -300,7 +300,7 @@ def _quant_tiles_range(layer: nn.Module, types: str, shape: str, blocks: Sequenc
 
 
 # Row counts the small-batch kernel is timed at against the dense copy: the usual 1-64, then
-# 128 and 256, since a dense copy that first wins past 64 rows still serves prefills. With
+# 256, since a dense copy that first wins past 64 rows still serves prefills. With
 # 1-64 alone, the VNNI kernel's AVX2 form (PAGEDLLM_CPU_MAX_ISA=avx2 on a 2-vCPU Xeon, weights
 # streamed) won SmolLM2's qkv and down_proj at 64 rows, so their dense copies were dropped,
 # while at 1,024 rows the float32 GEMM took 0.64-0.73x its time. (The head keeps 1-64: it

@@ -79,3 +79,14 @@ def test_max_isa_limits_what_pagedllm_sees_not_the_machine(monkeypatch):
     finally:
         monkeypatch.delenv("PAGEDLLM_CPU_MAX_ISA")
         features.detect.cache_clear()
+
+
+def test_every_max_isa_level_has_its_compiler_flags_and_is_accepted():
+    """features.ISA_LEVELS, native.ISA_FLAGS and the variable's value check name the same levels."""
+    from pagedllm.core import envs
+    from pagedllm.ops.cpu import native
+
+    assert set(native.ISA_FLAGS) == set(features.ISA_LEVELS)
+    for level in features.ISA_LEVELS:
+        assert envs.VALUE_CHECKS["PAGEDLLM_CPU_MAX_ISA"](level) is None, level
+    assert envs.VALUE_CHECKS["PAGEDLLM_CPU_MAX_ISA"]("sse4") is not None
