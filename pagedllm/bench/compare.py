@@ -39,7 +39,7 @@ from typing import Any
 from pagedllm.bench.peers import (ALL_ENGINES, EngineSpec, cpu_has_native_bf16, engine_specs,
                                   resolve_hf_model)
 from pagedllm.bench.probe import machine_speed
-from pagedllm.bench.serve import _stream_one, benchmark, completions_url, request_payload
+from pagedllm.bench.serve import benchmark, completions_url, request_payload, stream_one
 from pagedllm.bench.workload import BenchRequest, random_requests, special_ids, vocab_size_of
 from pagedllm.engine_args import add_engine_args, engine_kwargs_from_args
 from pagedllm.ops.cpu import features
@@ -226,15 +226,13 @@ def run_serve_phase(spec: EngineSpec, result: EngineResult, probe: tuple[BenchRe
             send = texts if spec.send_text else None
 
             async def go() -> dict[str, Any]:
-                import httpx
-
                 model_name = await _wait_ready(base_url, proc, args.timeout)
                 # EOS ignored, as in the load: a model that ends random ids at once (Qwen2.5
                 # does) would stream no text, and its start-up would go unmeasured
                 payload = request_payload(model_name, BenchRequest(probe[0].prompt_token_ids, 2),
                                           probe[1] if send else None)
-                async with httpx.AsyncClient(timeout=args.timeout, trust_env=False) as client:
-                    first = await _stream_one(client, completions_url(base_url), payload, probe[0].prompt_len)
+                first = await stream_one(completions_url(base_url), payload, probe[0].prompt_len,
+                                         timeout=args.timeout)
                 if not first.success:
                     raise RuntimeError(f"first request failed: {first.error}")
                 startup = first.chunk_times[0] - spawn

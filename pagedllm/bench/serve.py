@@ -1,6 +1,7 @@
 """`pagedllm bench serve`: load against any OpenAI-compatible server.
 
-Streams `/v1/completions` with httpx's async client and times every chunk, so the
+Streams `/v1/completions` (or a chat endpoint) and times every chunk, with a lean
+client of its own (`http_stream`: it shares the cores with the server it measures), so the
 numbers mean the same thing for pagedllm, vLLM, llama.cpp or anything else that
 speaks the protocol: TTFT, TPOT, ITL and E2E latency (mean, p50, p99), request and
 token throughput, and failed requests. Arrivals are a Poisson process at
@@ -21,6 +22,7 @@ import random
 import time
 from typing import Any, Sequence
 
+from pagedllm.bench import http_stream
 from pagedllm.bench.stats import RequestTiming, serving_metrics
 from pagedllm.bench.workload import BenchRequest, load_dataset, random_requests, special_ids, vocab_size_of
 
@@ -73,41 +75,54 @@ def completions_url(base_url: str, endpoint: str = "/v1/completions") -> str:
     return base + endpoint
 
 
-async def _stream_one(client: Any, url: str, payload: dict[str, Any], prompt_len: int) -> RequestTiming:
+async def stream_one(url: str, payload: dict[str, Any], prompt_len: int, headers: dict[str, str] | None = None,
+                     timeout: float = 600.0) -> RequestTiming:
+    """Send one streamed request and time its chunks; any failure (HTTP status, an error
+    event, a timeout after `timeout` seconds in all) is recorded in the timing, not raised."""
     timing = RequestTiming(start=time.perf_counter(), prompt_tokens=prompt_len)
-    usage_tokens: int | None = None
     try:
-        async with client.stream("POST", url, json=payload) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode("utf-8", "replace")
-                timing.error = f"HTTP {resp.status_code}: {body[:300]}"
-                return timing
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[len("data:"):].strip()
-                if data == "[DONE]":
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    timing.error = f"server error mid-stream: {chunk['error']}"
-                    return timing
-                now = time.perf_counter()
-                choices = chunk.get("choices") or []
-                if choices and choices[0].get("text"):
-                    timing.chunk_times.append(now)
-                if chunk.get("usage"):
-                    usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
-                    if chunk["usage"].get("prompt_tokens"):
-                        timing.prompt_tokens = chunk["usage"]["prompt_tokens"]
-        timing.end = time.perf_counter()
-        timing.output_tokens = usage_tokens if usage_tokens is not None else len(timing.chunk_times)
-        timing.success = bool(timing.chunk_times)
-        if not timing.success:
-            timing.error = "the stream carried no text"
+        await asyncio.wait_for(_read_stream(url, payload, headers, timing), timeout)
+    except asyncio.TimeoutError:
+        timing.error = f"no complete answer within {timeout:g} s (--request-timeout)"
     except Exception as exc:  # a load test counts failures instead of stopping at the first
         timing.error = f"{type(exc).__name__}: {exc}"
     return timing
+
+
+async def _read_stream(url: str, payload: dict[str, Any], headers: dict[str, str] | None,
+                       timing: RequestTiming) -> None:
+    usage_tokens: int | None = None
+    resp = await http_stream.post(url, payload, headers)
+    try:
+        if resp.status != 200:
+            body = (await resp.read()).decode("utf-8", "replace")
+            timing.error = f"HTTP {resp.status}: {body[:300]}"
+            return
+        async for line in resp.lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[len("data:"):].strip()
+            if data == "[DONE]":
+                break
+            chunk = json.loads(data)
+            if "error" in chunk:
+                timing.error = f"server error mid-stream: {chunk['error']}"
+                return
+            now = time.perf_counter()
+            choices = chunk.get("choices") or []
+            if choices and (choices[0].get("text") or (choices[0].get("delta") or {}).get("content")):
+                timing.chunk_times.append(now)
+            if chunk.get("usage"):
+                usage_tokens = chunk["usage"].get("completion_tokens", usage_tokens)
+                if chunk["usage"].get("prompt_tokens"):
+                    timing.prompt_tokens = chunk["usage"]["prompt_tokens"]
+    finally:
+        resp.close()
+    timing.end = time.perf_counter()
+    timing.output_tokens = usage_tokens if usage_tokens is not None else len(timing.chunk_times)
+    timing.success = bool(timing.chunk_times)
+    if not timing.success:
+        timing.error = "the stream carried no text"
 
 
 def request_payload(model: str, request: BenchRequest, text: str | None,
@@ -135,36 +150,32 @@ async def benchmark(base_url: str, model: str, requests: Sequence[BenchRequest],
     A short test request goes first so a wrong URL or model name fails fast with the
     server's own message instead of as N identical failures.
     """
-    import httpx
-
     url = completions_url(base_url, endpoint)
     texts = list(texts) if texts is not None else [None] * len(requests)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = max_concurrency or len(requests)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(request_timeout), headers=headers, trust_env=False,
-                                 limits=httpx.Limits(max_connections=limit + 1,
-                                                     max_keepalive_connections=limit + 1)) as client:
-        if test_request:
-            probe = BenchRequest(requests[0].prompt_token_ids, min(2, requests[0].output_len))
-            result = await _stream_one(client, url, request_payload(model, probe, texts[0], extra_body),
-                                       probe.prompt_len)
-            if not result.success:
-                raise RuntimeError(f"the test request to {url} failed: {result.error}")
-        rng = random.Random(seed)
-        semaphore = asyncio.Semaphore(limit)
+    if test_request:
+        probe = BenchRequest(requests[0].prompt_token_ids, min(2, requests[0].output_len))
+        result = await stream_one(url, request_payload(model, probe, texts[0], extra_body), probe.prompt_len,
+                                  headers, request_timeout)
+        if not result.success:
+            raise RuntimeError(f"the test request to {url} failed: {result.error}")
+    rng = random.Random(seed)
+    semaphore = asyncio.Semaphore(limit)
 
-        async def limited(req: BenchRequest, text: str | None) -> RequestTiming:
-            async with semaphore:
-                return await _stream_one(client, url, request_payload(model, req, text, extra_body), req.prompt_len)
+    async def limited(req: BenchRequest, text: str | None) -> RequestTiming:
+        async with semaphore:
+            return await stream_one(url, request_payload(model, req, text, extra_body), req.prompt_len, headers,
+                                    request_timeout)
 
-        tasks = []
-        start = time.perf_counter()
-        for req, text in zip(requests, texts):
-            tasks.append(asyncio.create_task(limited(req, text)))
-            if request_rate != math.inf:
-                await asyncio.sleep(rng.expovariate(request_rate))
-        timings = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+    tasks = []
+    start = time.perf_counter()
+    for req, text in zip(requests, texts):
+        tasks.append(asyncio.create_task(limited(req, text)))
+        if request_rate != math.inf:
+            await asyncio.sleep(rng.expovariate(request_rate))
+    timings = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
     metrics = serving_metrics(timings, duration)
     errors = [t.error for t in timings if not t.success]
     expected = sum(r.output_len for r, t in zip(requests, timings) if t.success)
