@@ -145,3 +145,11 @@ def test_targets() -> None:
         http_stream.Target.parse("ftp://h/")
     timing = asyncio.run(stream_one("http://127.0.0.1:9/v1/completions", {}, 1))  # the discard port: refused
     assert not timing.success and timing.error
+
+
+def test_chat_chunks_count_their_delta_content() -> None:
+    chunk = b'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+    role = b'data: {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}\n\n'
+    reply = SSE_HEAD + b"transfer-encoding: chunked\r\n\r\n" + _chunked(role, chunk, chunk, b"data: [DONE]\n\n")
+    timing, _ = run_against(reply, lambda url: stream_one(url, {}, 1))
+    assert timing.success and len(timing.chunk_times) == 2
