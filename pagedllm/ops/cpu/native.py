@@ -42,7 +42,7 @@ logger = logging.getLogger("pagedllm")
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = sorted(p for p in CSRC.glob("*.c") if not p.name.startswith("."))  # linked into one library
 HEADERS = sorted(p for p in CSRC.glob("*.h") if not p.name.startswith("."))
-ABI_VERSION = 16  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
+ABI_VERSION = 17  # what this module's signatures expect: pd_abi_version() (PD_ABI_VERSION) must match
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-std=c11", "-fno-math-errno"]  # compiling each source
 LINK_FLAGS = ["-shared", "-fopenmp", "-lm"]
 # what each PAGEDLLM_CPU_MAX_ISA level adds to FLAGS (features.ISA_LEVELS names the same limits)
@@ -74,6 +74,9 @@ _SIGNATURES = {
     "pd_linear_packed_gemm": (_i32, [_i32, _p, _i64, _i64, _p, _p, _p, _i64, _p, _i64]),
     "pd_linear_lut4": (_i32, [_p, _i64, _i64, _p, _p, _p, _i64, _i64, _p, _i64]),
     "pd_dequantize": (_i32, [_i32, _p, _i64, _i64, _p]),
+    "pd_dequantize_k": (_i32, [_i32, _p, _i64, _p]),
+    "pd_q4_k_as_q4_1": (_i32, [_p, _i64, _p]),
+    "pd_as_q8_0": (_i32, [_p, _i64, _p]),
     "pd_sgemm_pack": (None, [_p, _i64, _i64, _p]),
     "pd_sgemm": (_i32, [_p, _i64, _i64, _i64, _p, _i64, _p, _p, _i64]),
     "pd_moe_f32": (_i32, [_p, _i64, _i64, _p, _p, _i64, _i64, _p, _p, _i64, _i32, _p]),
@@ -885,6 +888,53 @@ def dequantize(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     out = torch.empty(n, k, dtype=torch.float32)
     if kernels().pd_dequantize(qtype, _ptr(raw, "raw", torch.uint8), n, k, out.data_ptr()) != PD_OK:
         raise ValueError(f"pd_dequantize: ggml type {qtype} or K={k} not supported")
+    return out
+
+
+# ggml K-quant ids -> bytes per 256-value super-block, for `dequantize_k`
+K_QUANT_BYTES = {12: 144, 13: 176, 14: 210}
+
+
+def dequantize_k(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Q4_K / Q5_K / Q6_K blocks (uint8, whole super-blocks, any shape) -> float32 [values],
+    value for value what gguf_dequant.py's torch ops compute, into `out` where given."""
+    if qtype not in K_QUANT_BYTES:
+        raise ValueError(f"dequantize_k: ggml type {qtype} is not Q4_K, Q5_K or Q6_K")
+    nblocks = raw.numel() // K_QUANT_BYTES[qtype]
+    if raw.numel() != nblocks * K_QUANT_BYTES[qtype]:
+        raise ValueError(f"dequantize_k: {raw.numel()} bytes are not whole blocks of {K_QUANT_BYTES[qtype]}")
+    if out is None:
+        out = torch.empty(nblocks * 256, dtype=torch.float32)
+    elif out.numel() != nblocks * 256 or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"dequantize_k: out must be {nblocks * 256} contiguous float32 values")
+    raw = raw.contiguous()  # held here while the kernel reads it
+    kernels().pd_dequantize_k(qtype, _ptr(raw, "raw", torch.uint8), nblocks, out.data_ptr())
+    return out
+
+
+def q4_k_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    """Q4_K super-blocks (uint8 [..., 144k]) -> their Q4_1 rewrite, uint8 [..., 160k] (see
+    gguf_blocks32.q4_k_as_q4_1, whose values these are)."""
+    nblocks = raw.numel() // 144
+    if raw.numel() != nblocks * 144:
+        raise ValueError(f"q4_k_as_q4_1: {raw.numel()} bytes are not whole Q4_K blocks")
+    out = torch.empty(*raw.shape[:-1], raw.shape[-1] // 144 * 160, dtype=torch.uint8)
+    raw = raw.contiguous()
+    kernels().pd_q4_k_as_q4_1(_ptr(raw, "raw", torch.uint8), nblocks, out.data_ptr())
+    return out
+
+
+def as_q8_0(values: torch.Tensor) -> torch.Tensor:
+    """float32 rows [N, K] (K a multiple of 32) -> Q8_0 rows uint8 [N, K / 32 * 34] (see
+    gguf_blocks32.as_q8_0, whose values these are)."""
+    n, k = values.shape
+    out = torch.empty(n, k // 32 * 34, dtype=torch.uint8)
+    values = values.contiguous()
+    status = kernels().pd_as_q8_0(_ptr(values, "values", torch.float32), n * k // 32, out.data_ptr())
+    if status == PD_EINVAL:
+        raise ValueError("cannot re-quantize a weight holding NaN or infinity to Q8_0")
+    if status == PD_ERANGE:
+        raise ValueError("a weight block's magnitude is beyond f16's range: no Q8_0 scale for it")
     return out
 
 

@@ -74,9 +74,22 @@ def _round_up_f16(x: torch.Tensor) -> torch.Tensor:
     return h
 
 
+def _native_here(t: torch.Tensor) -> bool:
+    """Whether `t`'s rewrite runs in the native kernels (blocks.c: the same bytes as the
+    torch versions below, without their full-size temporaries)."""
+    return t.device.type == "cpu" and native.available()
+
+
 def as_q8_0(values: torch.Tensor) -> torch.Tensor:
     """float32 rows [N, K] (K a multiple of 32) -> Q8_0 rows [N, K / 32 * 34]: per block, d
     = max |x| / 127 rounded up to f16 and codes round(x / d) in [-127, 127]."""
+    if _native_here(values):
+        return native.as_q8_0(values)
+    return as_q8_0_torch(values)
+
+
+def as_q8_0_torch(values: torch.Tensor) -> torch.Tensor:
+    """`as_q8_0` in torch ops (other devices, and the tests' oracle)."""
     n, k = values.shape
     blocks = values.reshape(-1, 32)
     # max |x| without an |x| copy of the weight (load time is memory-bound)
@@ -95,6 +108,13 @@ def as_q8_0(values: torch.Tensor) -> torch.Tensor:
 def q4_k_as_q4_1(raw: torch.Tensor, cols: int) -> torch.Tensor:
     """Q4_K rows -> Q4_1 rows (8 blocks of 20 bytes per 144-byte super-block): the codes as
     they are, d * sc and -dmin * m rounded to f16."""
+    if _native_here(raw):
+        return native.q4_k_as_q4_1(raw.reshape(raw.shape[0], -1))
+    return q4_k_as_q4_1_torch(raw, cols)
+
+
+def q4_k_as_q4_1_torch(raw: torch.Tensor, cols: int) -> torch.Tensor:
+    """`q4_k_as_q4_1` in torch ops (other devices, and the tests' oracle)."""
     n = raw.shape[0]
     b = raw.reshape(-1, BLOCK_LAYOUTS[Q4_K][1])
     scales, mins = k_scales_mins(b)  # float32 [blocks, 8, 1], exact products

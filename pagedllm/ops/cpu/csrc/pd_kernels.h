@@ -2,6 +2,8 @@
  * kernel families share. One .c file per family, all built into one library:
  *   abi.c          pd_abi_version, pd_has_avx2
  *   quant.c        ggml-quantized weights: pd_repack, pd_linear_packed, pd_dequantize
+ *   blocks.c       ggml blocks at load: pd_dequantize_k (Q4_K / Q5_K / Q6_K), the rewrites
+ *                  pd_q4_k_as_q4_1 and pd_as_q8_0
  *   sgemm.c        dense float32 linear: pd_sgemm_pack, pd_sgemm; pd_linear_packed_gemm (quant.c's
  *                  repacked weights decoded panel by panel into the same GEMM)
  *   elementwise.c  pd_rms_norm, pd_silu_mul, pd_rope_neox, pd_gather_rows(_bf16), pd_argmax_rows
@@ -60,7 +62,7 @@
 /* What pd_abi_version reports; native.py checks it against its ABI_VERSION at load.
  * Bump both when an exported symbol or a signature changes, or a return code changes
  * in a way native.py's wrappers read differently. */
-#define PD_ABI_VERSION 16
+#define PD_ABI_VERSION 17
 
 /* What the kernels that return an int return (native.py mirrors them by these names).
  * PD_EINVAL: an argument the kernel does not take (a ggml type or K it does not read,
