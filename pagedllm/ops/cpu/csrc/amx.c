@@ -219,12 +219,46 @@ int pd_has_amx(void) {
 
 int64_t pd_amx_packed_size(int64_t N, int64_t K) { return (N + 15) / 16 * ((K + 31) / 32) * AMX_TILE_BF16; }
 
+#if PD_AVX512
+/* 16 floats -> their bf16 roundings (pd_bf16_round, lane for lane) in the low halves of 16 u32 lanes */
+static inline __m512i bf16_round16(__m512 v) {
+    __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    __m512i r = _mm512_srli_epi32(
+        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), _mm512_and_si512(_mm512_srli_epi32(u, 16), one)),
+        16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+/* A whole tile (16 rows of w from `row`, its 32 columns from k0): each row rounded to 16
+ * bf16 pairs (one u32 lane a pair), and the 16 x 16 pairs transposed in registers so
+ * that tile row r holds pair r of every weight row. */
+static inline void pack_tile_avx512(const float *w, int64_t K, int64_t row, int64_t k0, uint16_t *tile) {
+    __m512 r[16];
+    for (int n = 0; n < 16; n++) {
+        const float *src = w + (row + n) * K + k0;
+        __m256i lo = _mm512_cvtepi32_epi16(bf16_round16(_mm512_loadu_ps(src)));
+        __m256i hi = _mm512_cvtepi32_epi16(bf16_round16(_mm512_loadu_ps(src + 16)));
+        r[n] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
+    transpose16_ps(r);
+    for (int q = 0; q < 16; q++) _mm512_storeu_ps((float *)(tile + q * 32), r[q]);
+}
+#endif
+
 void pd_amx_pack(const float *w, int64_t N, int64_t K, uint16_t *wp) {
     int64_t NB = (N + 15) / 16, KB = (K + 31) / 32;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < NB; nb++)
         for (int64_t kb = 0; kb < KB; kb++) {
             uint16_t *tile = wp + (nb * KB + kb) * AMX_TILE_BF16;
+#if PD_AVX512
+            if (nb * 16 + 16 <= N && kb * 32 + 32 <= K) {
+                pack_tile_avx512(w, K, nb * 16, kb * 32, tile);
+                continue;
+            }
+#endif
             for (int r = 0; r < 16; r++)
                 for (int n = 0; n < 16; n++)
                     for (int e = 0; e < 2; e++) {

@@ -359,31 +359,6 @@ static inline __attribute__((always_inline)) void tile_chunk(int kv_bf16, const 
     }
 }
 
-/* r[0..15], 16 rows of 16 floats, replaced by their transpose (r[c] lane l = old r[l] lane c):
- * pairs of rows interleaved, then 4 x 4 blocks within 128-bit lanes, then the lanes. */
-static inline __attribute__((always_inline)) void transpose16_ps(__m512 r[16]) {
-    __m512 t[16], u[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);     /* lane k: r_i[4k], r_i+1[4k], r_i[4k+1], r_i+1[4k+1] */
-        t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]); /* the same for 4k + 2, 4k + 3 */
-    }
-    for (int a = 0; a < 16; a += 4) { /* u[a + j] lane k: rows a .. a + 3 of column 4k + j */
-        u[a] = _mm512_shuffle_ps(t[a], t[a + 2], 0x44);
-        u[a + 1] = _mm512_shuffle_ps(t[a], t[a + 2], 0xEE);
-        u[a + 2] = _mm512_shuffle_ps(t[a + 1], t[a + 3], 0x44);
-        u[a + 3] = _mm512_shuffle_ps(t[a + 1], t[a + 3], 0xEE);
-    }
-    for (int j = 0; j < 4; j++) { /* column 4k + j: lane k of u[j], u[4 + j], u[8 + j], u[12 + j] */
-        __m512 lo0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0x44), hi0 = _mm512_shuffle_f32x4(u[j], u[4 + j], 0xEE);
-        __m512 lo1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0x44);
-        __m512 hi1 = _mm512_shuffle_f32x4(u[8 + j], u[12 + j], 0xEE);
-        r[j] = _mm512_shuffle_f32x4(lo0, lo1, 0x88);
-        r[4 + j] = _mm512_shuffle_f32x4(lo0, lo1, 0xDD);
-        r[8 + j] = _mm512_shuffle_f32x4(hi0, hi1, 0x88);
-        r[12 + j] = _mm512_shuffle_f32x4(hi0, hi1, 0xDD);
-    }
-}
-
 /* Rows i0 .. i0 + nr - 1 (nr <= 16) of request r's queries, kv head kh. pos0 is the
  * position of row i0; rows see keys [max(0, pos + 1 - window), pos]. */
 static inline __attribute__((always_inline)) void attend_tile_avx512(
