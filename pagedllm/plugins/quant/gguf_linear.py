@@ -387,17 +387,14 @@ class GGUFLinearMethod(LinearMethod):
         blocks = _native_groups(joined, layer.gguf_input_size, device, dense or None)
         row = 0
         for i, (qtype, data) in enumerate(joined):
-            rows = data.shape[0]
-            suffix = "" if i == 0 else f"_{i}"
-            if blocks is not None:
-                packed = native.pack(blocks[i][1], blocks[i][0], layer.gguf_input_size)
-                _register_packed(layer, suffix, packed)
-                layer.gguf_packed.append((packed, row, row + rows))
-            elif not self.keep_dense:  # keep the blocks; they are dequantized per call
+            if blocks is None and not self.keep_dense:  # keep the blocks; they are dequantized per call
+                suffix = "" if i == 0 else f"_{i}"
                 layer.register_parameter(f"qweight{suffix}", nn.Parameter(data, requires_grad=False))
                 layer.gguf_groups.append((f"qweight{suffix}", qtype))
-            row += rows
+            row += data.shape[0]
         layer.gguf_has_dense = bool(dense)
+        if blocks is not None and not (dense and layer.gguf_params_dtype == torch.float32):
+            _pack_native(layer, blocks)  # else only once the native kernel runs or is chosen (below)
         if not dense:
             if layer.gguf_packed:  # keep-quantized: many rows decode the blocks into the GEMM
                 types = _types_key(joined, blocks)
@@ -414,15 +411,17 @@ class GGUFLinearMethod(LinearMethod):
         layer.gguf_dense = ops.pack_linear(weight)
         if not layer.gguf_dense.owns_copy:  # else the packed layout replaces the plain copy
             layer.register_parameter("weight", nn.Parameter(weight, requires_grad=False))
-        if layer.gguf_packed and layer.gguf_params_dtype == torch.float32:
+        if blocks is not None and layer.gguf_params_dtype == torch.float32:
             types = _types_key(joined, blocks)
             shape = f"{row}x{layer.gguf_input_size}"
             k = layer.gguf_input_size
-            native_side = crossover.Contender(functools.partial(_native_linear, layer),
+            native_side = crossover.Contender(functools.partial(_native_linear, layer, pack=blocks),
                                               functools.partial(_native_copy, blocks, k), _blocks_bytes(blocks))
             small, name = _small_rows_kernel(types, shape, blocks, k, native_side, joined)
             if name != "native":
                 _keep_small_kernel(layer, small.kernel, name)
+            else:
+                _pack_native(layer, blocks)
             _measure_ranges(layer, types, shape, blocks, k, small, name, layer.gguf_dense, weight)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -460,9 +459,29 @@ class GGUFLinearMethod(LinearMethod):
         return layer.gguf_dense.silu_and_mul(x, bias)  # batches the dense copy serves: its kernel may fuse
 
 
-def _native_linear(layer: nn.Module, x2: torch.Tensor, gemm: bool | None = None) -> torch.Tensor:
+def _pack_native(layer: nn.Module, blocks: Sequence[tuple[int, torch.Tensor]]) -> None:
+    """The native kernel's repacking of `blocks` (the layer's groups, in output-row order),
+    made once. A layer with a float32 dense copy makes it only when the native kernel first
+    runs (a contest) or is chosen: where this machine measured before that a small-batch
+    kernel beats it (VNNI on every layer of Qwen2.5-1.5B on the Xeons and Zens measured),
+    it was thrown away, ~1 s of that model's load."""
+    if layer.gguf_packed:
+        return
+    row = 0
+    for i, (qtype, raw) in enumerate(blocks):
+        packed = native.pack(raw, qtype, layer.gguf_input_size)
+        _register_packed(layer, "" if i == 0 else f"_{i}", packed)
+        layer.gguf_packed.append((packed, row, row + raw.shape[0]))
+        row += raw.shape[0]
+
+
+def _native_linear(layer: nn.Module, x2: torch.Tensor, gemm: bool | None = None,
+                   pack: Sequence[tuple[int, torch.Tensor]] | None = None) -> torch.Tensor:
     """x2 [rows, K] float32 @ W^T from the repacked block groups; `gemm` (default: from
-    the layer's measured row count) decodes them panel by panel into the float32 GEMM."""
+    the layer's measured row count) decodes them panel by panel into the float32 GEMM.
+    `pack`: the groups to repack first if the layer has not yet (`_pack_native`)."""
+    if pack is not None:
+        _pack_native(layer, pack)
     if gemm is None:
         gemm = x2.shape[0] >= layer.gguf_gemm_from
     return native.linear_groups(x2.contiguous(), layer.gguf_packed, sum(layer.gguf_output_sizes),

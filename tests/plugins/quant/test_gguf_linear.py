@@ -86,9 +86,11 @@ def _fake_tile_crossovers(monkeypatch, first: int, last: int, asked: list | None
     monkeypatch.setattr(crossover, "rows_from", rows_from)
 
 
-def _q4_1_linear(monkeypatch, first: int, last: int, rows: int = 64, cols: int = 96, qtype: int | None = None):
+def _q4_1_linear(monkeypatch, first: int, last: int, rows: int = 64, cols: int = 96, qtype: int | None = None,
+                 contests=None):
     """A GGUF linear layer of Q4_1 (or `qtype`) blocks (keep_dense), processed under "medium"
-    precision with every crossover faked (`_fake_tile_crossovers`)."""
+    precision with every crossover faked (`_fake_tile_crossovers`, or `contests` in place of
+    its `rows_from`)."""
     import torch
     from torch import nn
 
@@ -98,6 +100,8 @@ def _q4_1_linear(monkeypatch, first: int, last: int, rows: int = 64, cols: int =
 
     qtype = Q4_1 if qtype is None else qtype
     _fake_tile_crossovers(monkeypatch, first, last)
+    if contests is not None:
+        monkeypatch.setattr(crossover, "rows_from", contests)
     layer = nn.Module()
     layer.prefix = "model.layers.0.mlp.down_proj"
     method = gguf_linear.GGUFLinearMethod(keep_dense=True)
@@ -178,3 +182,31 @@ def test_q8_0_head_logits_come_from_the_tiles_in_their_range(monkeypatch):
         assert got.shape == (rows, 96)
         if 4 <= rows < 32:
             assert torch.equal(got, head.gguf_head(x, None)), f"{rows} rows: the Q8_0 tiles differ from the dense head"
+
+
+def test_the_native_repacking_is_made_only_for_the_native_kernel(monkeypatch):
+    """A layer with a float32 dense copy repacks its blocks for the native kernel only when that
+    kernel runs or is chosen: where a small-batch kernel wins (faked here), nothing is packed for
+    it; where the native kernel wins, it is packed and serves the small batches."""
+    import torch
+
+    from pagedllm.ops.cpu import native
+    from pagedllm.plugins.quant import gguf_vnni
+
+    if not native.available() or not gguf_vnni.available():
+        pytest.skip("needs the native kernels and the VNNI kernel (the candidate that wins here)")
+    packs = []
+    real_pack = native.pack
+    monkeypatch.setattr(native, "pack", lambda *a, **k: packs.append(a[1]) or real_pack(*a, **k))
+    layer, _ = _q4_1_linear(monkeypatch, first=64, last=32)  # every contest faked: VNNI wins from row 1
+    assert layer.gguf_small is not None and not layer.gguf_packed and packs == [], \
+        f"the native kernel lost, yet its repacking was made ({packs})"
+
+    def native_wins(what, small, large, k, candidates=crossover.CANDIDATES):  # ... and serves up to 16 rows
+        return crossover.NEVER if "|native|" in what else 16
+
+    layer, method = _q4_1_linear(monkeypatch, first=64, last=32, contests=native_wins)
+    assert layer.gguf_small is None and len(layer.gguf_packed) == 1 and packs == [3]
+    x = torch.randn(1, 96, generator=torch.Generator().manual_seed(5))
+    expected = native.linear(x, layer.gguf_packed[0][0])
+    assert torch.equal(method.apply(layer, x, None), expected), "one row is not the native kernel's"
