@@ -71,6 +71,8 @@ class Response:
         if "chunked" in self.headers.get("transfer-encoding", "").lower():
             while True:
                 size_line = await self.reader.readline()
+                if not size_line:
+                    raise HTTPProtocolError("the connection closed inside the chunked body")
                 try:
                     size = int(size_line.split(b";", 1)[0].strip(), 16)
                 except ValueError:

@@ -120,6 +120,7 @@ def test_an_error_event_mid_stream_fails_the_request() -> None:
     (b"SSH-2.0-OpenSSH\r\n", "not an HTTP/1.x status line"),
     (SSE_HEAD + b"content-length: 500\r\n\r\ndata: [DO", "closed 491 bytes before the body's end"),
     (SSE_HEAD + b"transfer-encoding: chunked\r\n\r\nzz\r\n", "bad chunk size line"),
+    (SSE_HEAD + b"transfer-encoding: chunked\r\n\r\n5\r\nhello\r\n", "closed inside the chunked body"),
     (SSE_HEAD + b"no colon here\r\n\r\n", "bad header line"),
     (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n", "closed inside the response's headers"),
 ])
