@@ -23,30 +23,6 @@
 
 enum { PD_Q5_K = 13, PD_Q6_K = 14 };
 
-static inline float f16_value(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
-#if PD_AVX2
-    return _cvtsh_ss(h);
-#else
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
-    if (exp == 0) {
-        if (man == 0) {
-            bits = sign;
-        } else { /* subnormal: renormalise */
-            exp = 127 - 15 + 1;
-            while (!(man & 0x400)) { man <<= 1; exp--; }
-            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
-        }
-    } else if (exp == 31) {
-        bits = sign | 0x7F800000 | (man << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
-}
 
 /* float32 -> f16 bits, round to nearest even (as torch's .half()); finite inputs */
 static inline uint16_t f16_bits(float f) {
@@ -85,7 +61,7 @@ static void dequant_k_block(int qtype, const uint8_t *b, float *y) {
     if (qtype == PD_Q6_K) {
         const uint8_t *ql = b, *qh = b + 128;
         const int8_t *scales = (const int8_t *)(b + 192);
-        float d = f16_value(b + 208);
+        float d = f16_to_f32(b + 208);
         for (int h = 0; h < 2; h++)
             for (int g = 0; g < 4; g++) {
                 const uint8_t *lo = ql + 64 * h + 32 * (g & 1), *hi = qh + 32 * h;
@@ -100,7 +76,7 @@ static void dequant_k_block(int qtype, const uint8_t *b, float *y) {
             }
         return;
     }
-    float d = f16_value(b), dmin = f16_value(b + 2);
+    float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
     const uint8_t *s = b + 4, *qh = b + 16, *qs = b + (qtype == PD_Q5_K ? 48 : 16);
     for (int j = 0; j < 8; j++) {
         int sc, m;
@@ -131,7 +107,7 @@ int pd_q4_k_as_q4_1(const uint8_t *raw, int64_t nblocks, uint8_t *out) {
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < nblocks; i++) {
         const uint8_t *b = raw + i * 144, *s = b + 4, *qs = b + 16;
-        float d = f16_value(b), dmin = f16_value(b + 2);
+        float d = f16_to_f32(b), dmin = f16_to_f32(b + 2);
         for (int j = 0; j < 8; j++) {
             uint8_t *o = out + (i * 8 + j) * 20;
             int sc, m;
@@ -172,9 +148,9 @@ int pd_as_q8_0(const float *x, int64_t nblocks, uint8_t *out) {
         float want = amax / 127.0f;
         uint16_t h = f16_bits(want);
         uint8_t hb[2] = {(uint8_t)h, (uint8_t)(h >> 8)};
-        if (f16_value(hb) < want) h++; /* the next f16 up (want >= 0, so the bits count up) */
+        if (f16_to_f32(hb) < want) h++; /* the next f16 up (want >= 0, so the bits count up) */
         hb[0] = (uint8_t)h, hb[1] = (uint8_t)(h >> 8);
-        float d = f16_value(hb);
+        float d = f16_to_f32(hb);
         if (isinf(d)) {
 #pragma omp atomic write
             status = PD_ERANGE;

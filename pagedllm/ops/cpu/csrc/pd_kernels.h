@@ -197,6 +197,32 @@ static inline __attribute__((always_inline)) void transpose16_ps(__m512 r[16]) {
 }
 #endif
 
+/* The little-endian f16 at p as a float32 (exact): quant.c, blocks.c */
+static inline float f16_to_f32(const uint8_t *p) {
+    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#if PD_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF, bits;
+    if (exp == 0) {
+        if (man == 0) {
+            bits = sign;
+        } else { /* subnormal: renormalise */
+            exp = 127 - 15 + 1;
+            while (!(man & 0x400)) { man <<= 1; exp--; }
+            bits = sign | (exp << 23) | ((man & 0x3FF) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000 | (man << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
 /* float32 -> bf16, round to nearest even (NaN stays NaN): torch's .to(torch.bfloat16) */
 static inline uint16_t pd_bf16_round(float f) {
     uint32_t u;
