@@ -36,6 +36,10 @@ ENV_VARS: dict[str, EnvVar] = {
                "requests' steps do not stall on page faults (default 256, and a serving engine faults in the "
                "rest while idle, a few MiB at a time; set: that many MiB and nothing while idle; 0: none, all "
                "faults happen as blocks are first written)."),
+        EnvVar("PAGEDLLM_CPU_MALLOC_REUSE_MB", None,
+               "CPU engines on glibc: freed memory blocks up to this many MiB stay in the heap for reuse "
+               "instead of being unmapped, so large steps do not fault their activations in anew (glibc's mmap "
+               "and trim thresholds; default 1024; 0 keeps glibc's defaults)."),
         EnvVar("PAGEDLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_OMP_THREADS_BIND",
                "CPU engines: auto (default: a thread per available CPU), nobind (keep the environment's "
                "threads and affinity), or a CPU list such as 0-3 to pin the process there."),
@@ -177,6 +181,7 @@ VALUE_CHECKS = {
     "PAGEDLLM_CPU_KVCACHE_SPACE": _positive("number"),
     "PAGEDLLM_FUSED_MOE_CHUNK_SIZE": _positive("integer"),
     "PAGEDLLM_CPU_KV_PREFAULT_MB": _non_negative_integer,
+    "PAGEDLLM_CPU_MALLOC_REUSE_MB": _non_negative_integer,
     "PAGEDLLM_PORT": _port,
     "PAGEDLLM_LOGGING_LEVEL": _one_of(*(level.lower() for level in LOG_LEVELS)),
     "PAGEDLLM_CPU_KERNELS": _one_of("0", "1", "true", "false", "yes", "no", "on", "off"),

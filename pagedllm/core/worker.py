@@ -18,7 +18,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
-from pagedllm.core import cpu_threads, envs, precision
+from pagedllm.core import cpu_allocator, cpu_threads, envs, precision
 from pagedllm.core.config import EngineConfig
 from pagedllm.core.parallel import ParallelState, stage_layers
 from pagedllm.core.step import RankRequests, StepEncoder, StepMessage
@@ -293,11 +293,14 @@ class Worker:
         if self.device.type == "cpu":
             logger.info("CPU threads: %s", cpu_threads.apply(envs.get("PAGEDLLM_CPU_OMP_THREADS_BIND"),
                                                              local_rank, local_ranks))
+            logger.info("CPU memory: %s", cpu_allocator.apply(envs.get("PAGEDLLM_CPU_MALLOC_REUSE_MB")))
             if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:
                 logger.warning("CUDA_VISIBLE_DEVICES=%s has no effect: the engine runs on the CPU",
                                os.environ["CUDA_VISIBLE_DEVICES"])
         start = time.perf_counter()
         self.model: CausalLM = self._build_model(model_cls, source, quant)
+        if self.device.type == "cpu":
+            cpu_allocator.release_free()  # what loading freed need not stay resident
         logger.info("loaded %s weights in %.1fs", type(self.model).__name__, time.perf_counter() - start)
         self.builder = self.backend.builder_cls()(self.attn_spec)
         self.graph_runner: GraphRunner | None = None  # chosen below; the CUDA profile step runs eagerly
