@@ -62,8 +62,8 @@ PD_OK, PD_EINVAL, PD_ENOMEM, PD_ERANGE = 0, -1, -2, -3
 SUPPORTED_QTYPES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0"}
 # ... and those the VNNI kernel reads as stored (Q4_K: K a multiple of 256)
 VNNI_QTYPES = {**SUPPORTED_QTYPES, 12: "Q4_K"}
-# (values per block, bytes per block) of each
-_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144)}
+# (values per block, bytes per block) of each, and of the K-quants blocks.c converts at load (Q5_K, Q6_K)
+_BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
 
 _i64, _f32, _i32, _p = ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_void_p
 _SIGNATURES = {
@@ -891,8 +891,8 @@ def dequantize(raw: torch.Tensor, qtype: int, n: int, k: int) -> torch.Tensor:
     return out
 
 
-# ggml K-quant ids -> bytes per 256-value super-block, for `dequantize_k`
-K_QUANT_BYTES = {12: 144, 13: 176, 14: 210}
+# ggml K-quant ids (Q4_K, Q5_K, Q6_K) -> bytes per 256-value super-block, for `dequantize_k`
+K_QUANT_BYTES = {qtype: _BLOCKS[qtype][1] for qtype in (12, 13, 14)}
 
 
 def dequantize_k(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -915,10 +915,11 @@ def dequantize_k(raw: torch.Tensor, qtype: int, out: torch.Tensor | None = None)
 def q4_k_as_q4_1(raw: torch.Tensor) -> torch.Tensor:
     """Q4_K super-blocks (uint8 [..., 144k]) -> their Q4_1 rewrite, uint8 [..., 160k] (see
     gguf_blocks32.q4_k_as_q4_1, whose values these are)."""
-    nblocks = raw.numel() // 144
-    if raw.numel() != nblocks * 144:
+    q4_k, q4_1 = _BLOCKS[12][1], 8 * _BLOCKS[3][1]  # bytes of a super-block and of its eight blocks
+    nblocks = raw.numel() // q4_k
+    if raw.numel() != nblocks * q4_k:
         raise ValueError(f"q4_k_as_q4_1: {raw.numel()} bytes are not whole Q4_K blocks")
-    out = torch.empty(*raw.shape[:-1], raw.shape[-1] // 144 * 160, dtype=torch.uint8)
+    out = torch.empty(*raw.shape[:-1], raw.shape[-1] // q4_k * q4_1, dtype=torch.uint8)
     raw = raw.contiguous()
     kernels().pd_q4_k_as_q4_1(_ptr(raw, "raw", torch.uint8), nblocks, out.data_ptr())
     return out

@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from pagedllm.ops.cpu import native
-from pagedllm.plugins.quant.gguf_dequant import dequantize, k_scales_mins
+from pagedllm.plugins.quant.gguf_dequant import dequantize, k_scales_mins, runs_natively
 from pagedllm.plugins.quant.gguf_file import BLOCK_LAYOUTS, FLOAT_TYPES, Q4_1, Q4_K, Q8_0, QK_K
 
 
@@ -74,16 +74,10 @@ def _round_up_f16(x: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _native_here(t: torch.Tensor) -> bool:
-    """Whether `t`'s rewrite runs in the native kernels (blocks.c: the same bytes as the
-    torch versions below, without their full-size temporaries)."""
-    return t.device.type == "cpu" and native.available()
-
-
 def as_q8_0(values: torch.Tensor) -> torch.Tensor:
     """float32 rows [N, K] (K a multiple of 32) -> Q8_0 rows [N, K / 32 * 34]: per block, d
     = max |x| / 127 rounded up to f16 and codes round(x / d) in [-127, 127]."""
-    if _native_here(values):
+    if runs_natively(values):
         return native.as_q8_0(values)
     return as_q8_0_torch(values)
 
@@ -108,7 +102,7 @@ def as_q8_0_torch(values: torch.Tensor) -> torch.Tensor:
 def q4_k_as_q4_1(raw: torch.Tensor, cols: int) -> torch.Tensor:
     """Q4_K rows -> Q4_1 rows (8 blocks of 20 bytes per 144-byte super-block): the codes as
     they are, d * sc and -dmin * m rounded to f16."""
-    if _native_here(raw):
+    if runs_natively(raw):
         return native.q4_k_as_q4_1(raw.reshape(raw.shape[0], -1))
     return q4_k_as_q4_1_torch(raw, cols)
 

@@ -154,6 +154,13 @@ if set(KERNELS) != set(BLOCK_LAYOUTS):  # a layout without a kernel would fail l
     raise ImportError("gguf_dequant: KERNELS and gguf_file.BLOCK_LAYOUTS list different types")
 
 
+def runs_natively(t: torch.Tensor) -> bool:
+    """Whether a load-time conversion of `t` runs in the native kernels (csrc/blocks.c: the
+    same values as this module's and gguf_blocks32.py's torch ops, without their full-size
+    temporaries): a CPU tensor, where the kernels are built."""
+    return t.device.type == "cpu" and native.available()
+
+
 def dequantize(raw: torch.Tensor, qtype: int, shape: Sequence[int]) -> torch.Tensor:
     """Raw ggml bytes (uint8, any shape, rows contiguous) -> float32 tensor of `shape`.
 
@@ -161,7 +168,7 @@ def dequantize(raw: torch.Tensor, qtype: int, shape: Sequence[int]) -> torch.Ten
     values, computed without this module's full-size temporaries; ~10x faster, what a
     Q4_K_M file's load spent most of its time on)."""
     _, type_size = check_supported(qtype, "tensor")
-    if qtype in native.K_QUANT_BYTES and raw.device.type == "cpu" and native.available():
+    if qtype in native.K_QUANT_BYTES and runs_natively(raw):
         return native.dequantize_k(raw, qtype).reshape(tuple(shape))
     out = KERNELS[qtype](raw.reshape(-1, type_size))
     return out.reshape(tuple(shape))

@@ -179,13 +179,10 @@ def _blocks_bytes(groups: Sequence[tuple[int, torch.Tensor]]) -> int:
 def _native_copy(groups: Sequence[tuple[int, torch.Tensor]], k: int) -> crossover.Kernel:
     """The native kernel on its own repacking of `groups` (crossover timing's copies);
     takes `gemm` as `_native_linear` does."""
-    parts, row = [], 0
-    for qtype, raw in groups:
-        parts.append((native.pack(raw, qtype, k), row, row + raw.shape[0]))
-        row += raw.shape[0]
+    parts, n = _packed_groups(groups, k), sum(raw.shape[0] for _, raw in groups)
 
     def kernel(x2: torch.Tensor, gemm: bool = False) -> torch.Tensor:
-        return native.linear_groups(x2.contiguous(), parts, row,
+        return native.linear_groups(x2.contiguous(), parts, n,
                                     lambda x, w, out: native.linear(x, w, out, gemm=gemm))
     return kernel
 
@@ -467,12 +464,19 @@ def _pack_native(layer: nn.Module, blocks: Sequence[tuple[int, torch.Tensor]]) -
     it was thrown away, ~1 s of that model's load."""
     if layer.gguf_packed:
         return
-    row = 0
-    for i, (qtype, raw) in enumerate(blocks):
-        packed = native.pack(raw, qtype, layer.gguf_input_size)
+    layer.gguf_packed = _packed_groups(blocks, layer.gguf_input_size)
+    for i, (packed, _, _) in enumerate(layer.gguf_packed):
         _register_packed(layer, "" if i == 0 else f"_{i}", packed)
-        layer.gguf_packed.append((packed, row, row + raw.shape[0]))
+
+
+def _packed_groups(groups: Sequence[tuple[int, torch.Tensor]], k: int) -> list[tuple[native.PackedWeight, int, int]]:
+    """Each (type, blocks) group repacked for the native kernel, with the output rows it
+    fills (`native.linear_groups`'s operands)."""
+    parts, row = [], 0
+    for qtype, raw in groups:
+        parts.append((native.pack(raw, qtype, k), row, row + raw.shape[0]))
         row += raw.shape[0]
+    return parts
 
 
 def _native_linear(layer: nn.Module, x2: torch.Tensor, gemm: bool | None = None,

@@ -21,9 +21,6 @@
  */
 #include "pd_kernels.h"
 
-enum { PD_Q5_K = 13, PD_Q6_K = 14 };
-
-
 /* float32 -> f16 bits, round to nearest even (as torch's .half()); finite inputs */
 static inline uint16_t f16_bits(float f) {
 #if PD_AVX2
@@ -147,10 +144,8 @@ int pd_as_q8_0(const float *x, int64_t nblocks, uint8_t *out) {
         }
         float want = amax / 127.0f;
         uint16_t h = f16_bits(want);
-        uint8_t hb[2] = {(uint8_t)h, (uint8_t)(h >> 8)};
-        if (f16_to_f32(hb) < want) h++; /* the next f16 up (want >= 0, so the bits count up) */
-        hb[0] = (uint8_t)h, hb[1] = (uint8_t)(h >> 8);
-        float d = f16_to_f32(hb);
+        if (f16_from_bits(h) < want) h++; /* the next f16 up (want >= 0, so the bits count up) */
+        float d = f16_from_bits(h);
         if (isinf(d)) {
 #pragma omp atomic write
             status = PD_ERANGE;
@@ -158,7 +153,7 @@ int pd_as_q8_0(const float *x, int64_t nblocks, uint8_t *out) {
         }
         float inv = d > 0.0f ? 1.0f / d : 0.0f;
         uint8_t *o = out + i * 34;
-        o[0] = hb[0], o[1] = hb[1];
+        o[0] = (uint8_t)h, o[1] = (uint8_t)(h >> 8);
         for (int t = 0; t < 32; t++) {
             float q = nearbyintf(v[t] * inv);
             q = q < -127.0f ? -127.0f : q > 127.0f ? 127.0f : q;

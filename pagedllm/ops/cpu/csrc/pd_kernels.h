@@ -71,8 +71,8 @@
 enum { PD_OK = 0, PD_EINVAL = -1, PD_ENOMEM = -2, PD_ERANGE = -3 };
 
 /* ggml type ids (gguf_file.py) of the quantized weights quant.c and sgemm.c read (and
- * vnni.c, which reads Q4_K too) */
-enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8, PD_Q4_K = 12 };
+ * vnni.c, which reads Q4_K too; blocks.c converts the K-quants at load) */
+enum { PD_Q4_0 = 2, PD_Q4_1 = 3, PD_Q8_0 = 8, PD_Q4_K = 12, PD_Q5_K = 13, PD_Q6_K = 14 };
 
 /* Bytes of one 32-value ggml block of Q4_0 {f16 d; u8 qs[16]}, Q4_1 {f16 d; f16 m; u8 qs[16]}
  * or Q8_0 {f16 d; i8 qs[32]}; 0 for the other types. */
@@ -197,9 +197,8 @@ static inline __attribute__((always_inline)) void transpose16_ps(__m512 r[16]) {
 }
 #endif
 
-/* The little-endian f16 at p as a float32 (exact): quant.c, blocks.c */
-static inline float f16_to_f32(const uint8_t *p) {
-    uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+/* f16 bits as a float32 (exact): quant.c, blocks.c */
+static inline float f16_from_bits(uint16_t h) {
 #if PD_AVX2
     return _cvtsh_ss(h);
 #else
@@ -222,6 +221,9 @@ static inline float f16_to_f32(const uint8_t *p) {
     return f;
 #endif
 }
+
+/* The little-endian f16 stored at p, as a float32 */
+static inline float f16_to_f32(const uint8_t *p) { return f16_from_bits((uint16_t)(p[0] | (p[1] << 8))); }
 
 /* float32 -> bf16, round to nearest even (NaN stays NaN): torch's .to(torch.bfloat16) */
 static inline uint16_t pd_bf16_round(float f) {
